@@ -1,0 +1,30 @@
+# The two commands: `make demo` and `make test`. Both create the environment when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_ARGS ?=
+
+.PHONY: demo test venv proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A CPU torch first when none is present: a loose request would fetch a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/reshard demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+proto: $(STAMP)
+	$(PY) -m reshard.proto.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,326 @@
+"""Layout algebra: canonical tensors, boxes, pieces, local buffers and layouts.
+
+A *layout* is one side's full description of where weights live: the canonical
+tensors of the model and, for every rank, the local buffers it owns and which
+box of which canonical tensor each region of a buffer holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class LayoutError(ValueError):
+    """A layout, or a pair of layouts, that cannot be used for an update."""
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise LayoutError(f"unknown dtype {name!r}; valid dtypes: {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def itemsize(dtype: str) -> int:
+    return dtype_of(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Box:
+    """A hyper-rectangle: per-dimension offset and size."""
+
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offset) != len(self.size):
+            raise LayoutError(f"box offset {self.offset} and size {self.size} differ in rank")
+        if any(o < 0 for o in self.offset) or any(s < 0 for s in self.size):
+            raise LayoutError(f"box {self} has a negative offset or size")
+
+    @staticmethod
+    def full(shape: Sequence[int]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.size)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.size))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == self.ndim and all(e <= s for e, s in zip(self.end, shape))
+
+    def intersect(self, other: Box) -> Box | None:
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
+        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi)))
+
+    def shift(self, delta: Sequence[int]) -> Box:
+        return Box(tuple(o + d for o, d in zip(self.offset, delta)), self.size)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.size))
+
+    def contiguous_range(self, shape: Sequence[int]) -> tuple[int, int] | None:
+        """(start, numel) in the row-major flat index space of `shape`, if contiguous."""
+        dims = len(shape)
+        first = 0
+        while first < dims and self.size[first] == 1:
+            first += 1
+        for d in range(first + 1, dims):
+            if self.offset[d] != 0 or self.size[d] != shape[d]:
+                return None
+        start = 0
+        for d in range(dims):
+            start = start * shape[d] + self.offset[d]
+        return start, self.numel
+
+    def to_json(self) -> list:
+        return [list(self.offset), list(self.size)]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offset, self.size)) + "]"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A canonical tensor: name, global shape, dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        dtype_of(self.dtype)
+        if not self.name:
+            raise LayoutError("a canonical tensor needs a name")
+        if any(s <= 0 for s in self.shape):
+            raise LayoutError(f"tensor {self.name!r}: shape {self.shape} has a non-positive size")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """Region `region` of a local buffer holds box `box` of canonical tensor `tensor`.
+
+    `dtype` declares the dtype the buffer holds this piece in when it differs
+    from the canonical tensor's (a declared cast, done on the sender)."""
+
+    tensor: str
+    region: Box
+    box: Box
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalBuffer:
+    """One tensor a worker owns: made of pieces, plus declared padding."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+    padding: tuple[Box, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """One side's description: canonical tensors and every rank's local buffers."""
+
+    tensors: dict[str, TensorSpec]
+    ranks: tuple[tuple[LocalBuffer, ...], ...]
+    allow_casts: bool = False
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+    def buffer(self, rank: int, name: str) -> LocalBuffer:
+        for b in self.ranks[rank]:
+            if b.name == name:
+                return b
+        raise KeyError(f"rank {rank} has no buffer {name!r}")
+
+    # -- serialization ---------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors.values()],
+            "allow_casts": self.allow_casts,
+            "ranks": [
+                [
+                    {
+                        "name": b.name,
+                        "shape": list(b.shape),
+                        "dtype": b.dtype,
+                        "pieces": [[p.tensor, p.region.to_json(), p.box.to_json()] for p in b.pieces],
+                        "padding": [p.to_json() for p in b.padding],
+                    }
+                    for b in bufs
+                ]
+                for bufs in self.ranks
+            ],
+        }
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(obj: dict) -> Layout:
+        def box(j: list) -> Box:
+            return Box(tuple(j[0]), tuple(j[1]))
+
+        try:
+            tensors = {n: TensorSpec(n, tuple(s), d) for n, s, d in obj["tensors"]}
+            ranks = tuple(
+                tuple(
+                    LocalBuffer(
+                        b["name"],
+                        tuple(b["shape"]),
+                        b["dtype"],
+                        tuple(Piece(t, box(r), box(x)) for t, r, x in b["pieces"]),
+                        tuple(box(p) for p in b.get("padding", [])),
+                    )
+                    for b in bufs
+                )
+                for bufs in obj["ranks"]
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, LayoutError):
+                raise
+            raise LayoutError(f"malformed layout: {e!r}") from e
+        return Layout(tensors, ranks, bool(obj.get("allow_casts", False)))
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Layout:
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise LayoutError(f"malformed layout: {e}") from e
+        return Layout.from_json(obj)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # -- validation --------------------------------------------------------------------
+    def validate(self, side: str = "layout", require_full_buffers: bool = True) -> None:
+        """Raise LayoutError naming the tensor, the rank and the problem."""
+        for rank, bufs in enumerate(self.ranks):
+            names = set()
+            for buf in bufs:
+                where = f"{side} rank {rank} buffer {buf.name!r}"
+                if buf.name in names:
+                    raise LayoutError(f"{where}: duplicate buffer name")
+                names.add(buf.name)
+                dtype_of(buf.dtype)
+                regions: list[tuple[Box, str]] = []
+                for p in buf.pieces:
+                    spec = self.tensors.get(p.tensor)
+                    if spec is None:
+                        raise LayoutError(f"{where}: piece names unknown tensor {p.tensor!r}")
+                    if p.region.size != p.box.size:
+                        raise LayoutError(
+                            f"{where}: piece of {p.tensor!r} region {p.region} and box {p.box} "
+                            "differ in shape"
+                        )
+                    if not p.region.within(buf.shape):
+                        raise LayoutError(
+                            f"{where}: piece of {p.tensor!r} region {p.region} lies outside "
+                            f"the buffer shape {list(buf.shape)}"
+                        )
+                    if not p.box.within(spec.shape):
+                        raise LayoutError(
+                            f"tensor {p.tensor!r}: {where} names box {p.box} outside the "
+                            f"tensor shape {list(spec.shape)}"
+                        )
+                    if buf.dtype != spec.dtype and not self.allow_casts:
+                        raise LayoutError(
+                            f"tensor {p.tensor!r}: {where} holds it as {buf.dtype} but the "
+                            f"tensor is {spec.dtype} (dtype mismatch; declare a cast to allow it)"
+                        )
+                    regions.append((p.region, f"piece of {p.tensor!r}"))
+                for pad in buf.padding:
+                    if not pad.within(buf.shape):
+                        raise LayoutError(f"{where}: padding {pad} lies outside the buffer")
+                    regions.append((pad, "padding"))
+                _check_disjoint(regions, where)
+                if require_full_buffers:
+                    covered = sum(r.numel for r, _ in regions)
+                    if covered != buf.numel:
+                        raise LayoutError(
+                            f"{where}: {buf.numel - covered} of {buf.numel} elements are neither "
+                            "a piece nor declared padding (coverage gap)"
+                        )
+
+
+def _check_disjoint(regions: list[tuple[Box, str]], where: str) -> None:
+    regions = sorted(regions, key=lambda r: r[0].offset)
+    # Sweep on the first dimension, then check pairs that overlap there.
+    active: list[tuple[Box, str]] = []
+    for box, what in regions:
+        if box.numel == 0:
+            continue
+        start = box.offset[0] if box.ndim else 0
+        active = [a for a in active if (a[0].end[0] if a[0].ndim else 1) > start]
+        for other, other_what in active:
+            if box.intersect(other) is not None:
+                raise LayoutError(f"{where}: {what} at {box} overlaps {other_what} at {other}")
+        active.append((box, what))
+
+
+def boxes_cover(boxes: Iterable[Box], target: Box) -> int:
+    """Number of elements of `target` covered by the (disjoint) boxes."""
+    total = 0
+    for b in boxes:
+        i = b.intersect(target)
+        if i is not None:
+            total += i.numel
+    return total

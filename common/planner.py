@@ -1,0 +1,288 @@
+"""The planner: from a source and a destination layout to deterministic transfers.
+
+Pure and deterministic: every rank computes the same plan (and digest) from the
+same two layouts, with no communication.
+
+A plan is a list of *messages*. Each carries one or more *segments* (one box of
+one canonical tensor, from a region of a source buffer to a region of a
+destination buffer) between one source rank and one destination rank, in a
+*round*. Rounds are globally matched: a message has the same round (and tag) on
+both of its ranks, and a rank runs its rounds in order, posting every send and
+receive of a round before waiting on any, so grouped point-to-point cannot
+deadlock. Small segments travel packed in one staged message per peer and
+round; a large segment whose region is contiguous is sent from (or received
+into) tensor storage directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections import defaultdict
+
+from .layout import Box, Layout, LayoutError, itemsize
+
+ALIGN = 64
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PlanOptions:
+    bucket_bytes: int = 16 << 20
+    """Upper bound on the staged bytes of one message (and on one peer's staged bytes per round)."""
+    direct_min_bytes: int = 256 << 10
+    """A contiguous segment at least this large bypasses staging on the side(s) where it is contiguous."""
+    max_message_bytes: int = 64 << 20
+    """Direct segments are split into messages of at most this size (progress, pipelining)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 4096:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} is too small; use at least 4096")
+        if self.max_message_bytes < self.bucket_bytes:
+            raise ValueError("max_message_bytes must be at least bucket_bytes")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    tensor: str
+    box: Box  # in canonical coordinates
+    src_buffer: str
+    src_region: Box
+    dst_buffer: str
+    dst_region: Box
+    dst_piece: int  # index of the destination piece in its buffer (checksum key)
+    src_dtype: str
+    dst_dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * itemsize(self.dst_dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    src: int
+    dst: int
+    round: int
+    tag: int
+    segments: tuple[Segment, ...]
+    send_direct: bool  # one segment, sent straight from source storage
+    recv_direct: bool  # one segment, received straight into destination storage
+    nbytes: int
+
+    def offsets(self) -> list[int]:
+        """Byte offset of each segment inside the staged message."""
+        out, pos = [], 0
+        for s in self.segments:
+            out.append(pos)
+            pos += _align(s.nbytes)
+        return out
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(_align(s.nbytes) for s in self.segments)
+
+
+@dataclasses.dataclass(slots=True)
+class Plan:
+    src_world: int
+    dst_world: int
+    messages: list[Message]
+    num_rounds: int
+    digest: str
+    sends: dict[int, list[Message]]
+    recvs: dict[int, list[Message]]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.messages)
+
+    def send_bytes(self, src: int) -> int:
+        return sum(m.nbytes for m in self.sends.get(src, ()))
+
+    def recv_bytes(self, dst: int) -> int:
+        return sum(m.nbytes for m in self.recvs.get(dst, ()))
+
+    def expected_pieces(self, dst: int) -> dict[tuple[str, int], list[Segment]]:
+        out: dict[tuple[str, int], list[Segment]] = defaultdict(list)
+        for m in self.recvs.get(dst, ()):
+            for s in m.segments:
+                out[(s.dst_buffer, s.dst_piece)].append(s)
+        return out
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def check_compatible(src: Layout, dst: Layout, tensors: set[str] | None = None) -> None:
+    """Raise LayoutError naming the first mismatch between the two layouts."""
+    for name in sorted(dst.tensors):
+        if tensors is not None and name not in tensors:
+            continue
+        d = dst.tensors[name]
+        s = src.tensors.get(name)
+        if s is None:
+            raise LayoutError(f"tensor {name!r}: the destination needs it but the source layout has no such tensor (unknown name)")
+        if s.shape != d.shape:
+            raise LayoutError(f"tensor {name!r}: shape mismatch, source {list(s.shape)} vs destination {list(d.shape)}")
+        if s.dtype != d.dtype:
+            raise LayoutError(f"tensor {name!r}: dtype mismatch, source {s.dtype} vs destination {d.dtype}")
+
+
+def _split_box(size: tuple[int, ...], max_elems: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a box (relative coordinates) into sub-boxes of at most max_elems elements.
+
+    Splits along the outermost dimension first, so contiguous boxes stay contiguous."""
+    n = math.prod(size)
+    if n <= max_elems or not size:
+        return [(tuple(0 for _ in size), size)]
+    inner = math.prod(size[1:])
+    if inner <= max_elems:
+        rows = max(1, max_elems // inner)
+        return [
+            ((r, *(0 for _ in size[1:])), (min(rows, size[0] - r), *size[1:]))
+            for r in range(0, size[0], rows)
+        ]
+    out = []
+    for r in range(size[0]):
+        for off, sz in _split_box(size[1:], max_elems):
+            out.append(((r, *off), (1, *sz)))
+    return out
+
+
+def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tensors: set[str] | None = None) -> Plan:
+    """Plan the transfer of every destination piece (of `tensors`, or all) from the source layout."""
+    options = options or PlanOptions()
+    src.validate("source", require_full_buffers=False)
+    dst.validate("destination", require_full_buffers=True)
+    check_compatible(src, dst, tensors)
+
+    # Distinct source boxes per tensor, each with the (rank, buffer, region) replicas holding it.
+    holders: dict[str, dict[Box, list[tuple[int, str, Box, str]]]] = defaultdict(lambda: defaultdict(list))
+    for rank, bufs in enumerate(src.ranks):
+        for buf in bufs:
+            for p in buf.pieces:
+                holders[p.tensor][p.box].append((rank, buf.name, p.region, buf.dtype))
+    src_boxes: dict[str, list[Box]] = {}
+    for name, by_box in holders.items():
+        boxes = sorted(by_box, key=lambda b: (b.offset, b.size))
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1 :]:
+                if a.intersect(b) is not None:
+                    raise LayoutError(
+                        f"tensor {name!r}: source boxes {a} (rank {by_box[a][0][0]}) and {b} "
+                        f"(rank {by_box[b][0][0]}) overlap without being identical replicas"
+                    )
+        src_boxes[name] = boxes
+
+    # Assign every (destination piece x source box) intersection to one source replica,
+    # balancing the bytes each source rank sends (largest first, least-loaded replica).
+    pending: list[tuple[int, int, str, int, Box, Box, str]] = []  # (dst, order, buffer, piece idx, box, dst region, dtype)
+    for drank, bufs in enumerate(dst.ranks):
+        for buf in bufs:
+            for pi, p in enumerate(buf.pieces):
+                if tensors is not None and p.tensor not in tensors:
+                    continue
+                covered = 0
+                for sbox in src_boxes.get(p.tensor, ()):
+                    inter = sbox.intersect(p.box)
+                    if inter is None:
+                        continue
+                    covered += inter.numel
+                    delta = tuple(i - b for i, b in zip(inter.offset, p.box.offset))
+                    dregion = Box(tuple(r + d for r, d in zip(p.region.offset, delta)), inter.size)
+                    pending.append((drank, len(pending), buf.name, pi, inter, dregion, buf.dtype, p.tensor, sbox))
+                if covered != p.box.numel:
+                    raise LayoutError(
+                        f"tensor {p.tensor!r}: destination rank {drank} buffer {buf.name!r} needs box {p.box}, "
+                        f"but the source layout covers only {covered} of its {p.box.numel} elements (coverage gap)"
+                    )
+
+    load: dict[int, int] = defaultdict(int)
+    pair_segments: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+    order = sorted(pending, key=lambda t: (-t[4].numel * itemsize(t[6]), t[0], t[1]))
+    for drank, _, dbuf, pi, inter, dregion, ddtype, tname, sbox in order:
+        reps = holders[tname][sbox]
+        nbytes = inter.numel * itemsize(ddtype)
+        # Least-loaded replica; ties broken by a rotation on the destination rank.
+        best = min(range(len(reps)), key=lambda i: (load[reps[i][0]], (i - drank) % len(reps)))
+        srank, sbuf, sregion, sdtype = reps[best]
+        load[srank] += nbytes
+        delta = tuple(i - b for i, b in zip(inter.offset, sbox.offset))
+        sreg = Box(tuple(r + d for r, d in zip(sregion.offset, delta)), inter.size)
+        pair_segments[(srank, drank)].append(
+            Segment(tname, inter, sbuf, sreg, dbuf, dregion, pi, sdtype, ddtype)
+        )
+
+    src_shapes = {(r, b.name): b.shape for r, bufs in enumerate(src.ranks) for b in bufs}
+    dst_shapes = {(r, b.name): b.shape for r, bufs in enumerate(dst.ranks) for b in bufs}
+    messages: list[Message] = []
+    num_rounds = 0
+    for (srank, drank) in sorted(pair_segments):
+        segs = sorted(pair_segments[(srank, drank)], key=lambda s: (s.dst_buffer, s.dst_region.offset, s.tensor))
+        pair_msgs: list[tuple[list[Segment], bool, bool]] = []
+        packed: list[Segment] = []
+        packed_bytes = 0
+
+        def flush() -> None:
+            nonlocal packed, packed_bytes
+            if packed:
+                pair_msgs.append((packed, False, False))
+                packed, packed_bytes = [], 0
+
+        for seg in segs:
+            isz = itemsize(seg.dst_dtype)
+            s_contig = seg.src_dtype == seg.dst_dtype and seg.src_region.contiguous_range(src_shapes[(srank, seg.src_buffer)]) is not None
+            d_contig = seg.dst_region.contiguous_range(dst_shapes[(drank, seg.dst_buffer)]) is not None
+            direct = (s_contig or d_contig) and seg.nbytes >= options.direct_min_bytes
+            limit = (options.max_message_bytes if (s_contig and d_contig) else options.bucket_bytes) // isz
+            for off, size in _split_box(seg.box.size, max(1, limit if direct else options.bucket_bytes // isz)):
+                sub = _sub_segment(seg, off, size)
+                if direct:
+                    sc = s_contig and sub.src_region.contiguous_range(src_shapes[(srank, sub.src_buffer)]) is not None
+                    dc = d_contig and sub.dst_region.contiguous_range(dst_shapes[(drank, sub.dst_buffer)]) is not None
+                    pair_msgs.append(([sub], sc, dc))
+                    continue
+                if packed_bytes + _align(sub.nbytes) > options.bucket_bytes:
+                    flush()
+                packed.append(sub)
+                packed_bytes += _align(sub.nbytes)
+        flush()
+        # Rounds: consecutive messages of a pair share a round while their staged bytes fit a bucket.
+        rnd, staged, total = 0, 0, 0
+        for tag, (msegs, sd, rd) in enumerate(pair_msgs):
+            nbytes = sum(s.nbytes for s in msegs)
+            st = 0 if (sd and rd) else sum(_align(s.nbytes) for s in msegs)
+            if tag and (staged + st > options.bucket_bytes or total + nbytes > options.max_message_bytes):
+                rnd, staged, total = rnd + 1, 0, 0
+            staged += st
+            total += nbytes
+            messages.append(Message(srank, drank, rnd, tag, tuple(msegs), sd, rd, nbytes))
+        num_rounds = max(num_rounds, rnd + 1)
+
+    messages.sort(key=lambda m: (m.round, m.src, m.dst, m.tag))
+    sends: dict[int, list[Message]] = defaultdict(list)
+    recvs: dict[int, list[Message]] = defaultdict(list)
+    for m in messages:
+        sends[m.src].append(m)
+        recvs[m.dst].append(m)
+    return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages), dict(sends), dict(recvs))
+
+
+def _sub_segment(seg: Segment, off: tuple[int, ...], size: tuple[int, ...]) -> Segment:
+    def sub(b: Box) -> Box:
+        return Box(tuple(o + d for o, d in zip(b.offset, off)), size)
+
+    return dataclasses.replace(seg, box=sub(seg.box), src_region=sub(seg.src_region), dst_region=sub(seg.dst_region))
+
+
+def _digest(src: Layout, dst: Layout, messages: list[Message]) -> str:
+    h = hashlib.sha256()
+    h.update(src.fingerprint().encode())
+    h.update(dst.fingerprint().encode())
+    for m in messages:
+        h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}".encode())
+        for s in m.segments:
+            h.update(f"|{s.tensor}{s.box}{s.src_buffer}{s.src_region}{s.dst_buffer}{s.dst_region}".encode())
+    return h.hexdigest()[:16]

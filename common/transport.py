@@ -1,0 +1,97 @@
+"""Data-plane transports. One interface, several implementations, chosen by name.
+
+The engine sees only `Transport`: post a send or a receive of a flat uint8
+tensor to/from a session peer with a tag, and wait for posted work with a
+deadline. `gloo` runs on CPU (torch's ProcessGroupGloo on a TCPStore, a fresh
+PrefixStore per session, no global default group).
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("reshard.transport")
+
+
+class TransportError(RuntimeError):
+    """A data-plane operation failed or ran past its deadline."""
+
+
+class Work(abc.ABC):
+    @abc.abstractmethod
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class Transport(abc.ABC):
+    name: str = "?"
+
+    @abc.abstractmethod
+    def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class _GlooWork(Work):
+    __slots__ = ("_w", "_what")
+
+    def __init__(self, w, what: str) -> None:
+        self._w, self._what = w, what
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._w.wait(datetime.timedelta(seconds=max(0.001, timeout_s)))
+        except RuntimeError as e:
+            raise TransportError(f"gloo {self._what} failed: {str(e).splitlines()[0]}") from e
+
+
+class GlooTransport(Transport):
+    """A side gloo group on a TCPStore served by the trainer controller."""
+
+    name = "gloo"
+
+    def __init__(self, store_host: str, store_port: int, session: str, rank: int, world: int, timeout_s: float) -> None:
+        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        self.rank, self.world = rank, world
+        timeout = datetime.timedelta(seconds=timeout_s)
+        t0 = time.monotonic()
+        try:
+            self._store = TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=timeout, wait_for_workers=False)
+            prefix = PrefixStore(f"reshard/{session}", self._store)
+            self._pg = ProcessGroupGloo(prefix, rank, world, timeout)
+        except RuntimeError as e:
+            raise TransportError(
+                f"gloo rendezvous for session {session} (rank {rank} of {world}) at {store_host}:{store_port} "
+                f"failed after {time.monotonic() - t0:.1f}s: {str(e).splitlines()[0]}"
+            ) from e
+        log.debug("gloo session %s: rank %d/%d connected in %.2fs", session, rank, world, time.monotonic() - t0)
+
+    def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
+        return _GlooWork(self._pg.send([buf], peer, tag), f"send to rank {peer} (tag {tag})")
+
+    def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
+        return _GlooWork(self._pg.recv([buf], peer, tag), f"receive from rank {peer} (tag {tag})")
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None
+
+
+TRANSPORTS = {"gloo": GlooTransport}
+
+
+def transport_class(name: str) -> type[Transport]:
+    try:
+        return TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; valid transports: {', '.join(sorted(TRANSPORTS))}") from None

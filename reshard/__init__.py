@@ -1,0 +1,3 @@
+"""reshard: parallel weight resharding from RL trainers to inference engines."""
+
+__version__ = "0.1.0"

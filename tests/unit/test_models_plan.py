@@ -1,0 +1,95 @@
+"""Framework layouts planned and executed in memory, checked by slicing written here."""
+
+import pytest
+import torch
+
+from reshard.common.engine import execute_in_memory
+from reshard.common.layout import LayoutError
+from reshard.common.models import megatron_layout, model_config, vllm_layout
+from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.synth import tensor_value
+
+SEED, STEP = 7, 2
+
+
+def canonical(cfg):
+    return {n: tensor_value(SEED, n, STEP, t.shape, torch.bfloat16) for n, t in cfg.tensors().items()}
+
+
+def megatron_buffers(cfg, tp, full):
+    """Megatron TP shards built by hand from the canonical tensors."""
+    h, hd = cfg.hidden, cfg.head_dim
+    qpg, groups, ffn = cfg.heads // cfg.kv_heads, cfg.kv_heads // tp, cfg.intermediate // tp
+    vp = -(-cfg.vocab // (128 * tp)) * 128 * tp
+    out = []
+    for r in range(tp):
+        b = {}
+        for mg, hf in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"), ("output_layer.weight", "lm_head.weight")):
+            padded = torch.zeros(vp, h, dtype=torch.bfloat16)
+            padded[: cfg.vocab] = full[hf]
+            b[mg] = padded.chunk(tp)[r].clone()
+        for i in range(cfg.layers):
+            p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            q = full[p + "self_attn.q_proj.weight"].view(cfg.kv_heads, qpg * hd, h)
+            k = full[p + "self_attn.k_proj.weight"].view(cfg.kv_heads, hd, h)
+            v = full[p + "self_attn.v_proj.weight"].view(cfg.kv_heads, hd, h)
+            b[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1)[r * groups:(r + 1) * groups].reshape(-1, h).clone()
+            b[m + "self_attention.linear_qkv.layer_norm_weight"] = full[p + "input_layernorm.weight"].clone()
+            b[m + "self_attention.linear_proj.weight"] = full[p + "self_attn.o_proj.weight"].chunk(tp, 1)[r].clone()
+            b[m + "mlp.linear_fc1.layer_norm_weight"] = full[p + "post_attention_layernorm.weight"].clone()
+            b[m + "mlp.linear_fc1.weight"] = torch.cat([full[p + "mlp.gate_proj.weight"][r * ffn:(r + 1) * ffn], full[p + "mlp.up_proj.weight"][r * ffn:(r + 1) * ffn]]).clone()
+            b[m + "mlp.linear_fc2.weight"] = full[p + "mlp.down_proj.weight"].chunk(tp, 1)[r].clone()
+        b["decoder.final_layernorm.weight"] = full["model.norm.weight"].clone()
+        out.append(b)
+    return out
+
+
+def expected_vllm(cfg, tp, full, r):
+    h, hd = cfg.hidden, cfg.head_dim
+    reps = max(1, tp // cfg.kv_heads)
+    kvn = max(1, cfg.kv_heads // tp)
+    kv0 = (r // reps) * kvn
+    p = "model.layers.0."
+    q = full[p + "self_attn.q_proj.weight"].chunk(tp)[r]
+    k = full[p + "self_attn.k_proj.weight"][kv0 * hd:(kv0 + kvn) * hd]
+    v = full[p + "self_attn.v_proj.weight"][kv0 * hd:(kv0 + kvn) * hd]
+    return torch.cat([q, k, v])
+
+
+@pytest.mark.parametrize("model,src_tp,dst_tp", [("tiny", 2, 4), ("tiny", 1, 2), ("tiny", 2, 1), ("small", 2, 4)])
+def test_megatron_to_vllm_exact(model, src_tp, dst_tp):
+    cfg = model_config(model)
+    full = canonical(cfg)
+    src, dst = megatron_layout(cfg, src_tp), vllm_layout(cfg, dst_tp)
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=8192, direct_min_bytes=4096, max_message_bytes=16384))
+    sbufs = megatron_buffers(cfg, src_tp, full)
+    dbufs = [{b.name: torch.full(b.shape, float("nan"), dtype=torch.bfloat16) for b in bufs} for bufs in dst.ranks]
+    execute_in_memory(plan, sbufs, dbufs)
+    ffn = cfg.intermediate // dst_tp
+    for r in range(dst_tp):
+        d = dbufs[r]
+        assert torch.equal(d["model.layers.0.self_attn.qkv_proj.weight"], expected_vllm(cfg, dst_tp, full, r))
+        gu = torch.cat([full["model.layers.1.mlp.gate_proj.weight"][r * ffn:(r + 1) * ffn], full["model.layers.1.mlp.up_proj.weight"][r * ffn:(r + 1) * ffn]])
+        assert torch.equal(d["model.layers.1.mlp.gate_up_proj.weight"], gu)
+        assert torch.equal(d["model.layers.1.mlp.down_proj.weight"], full["model.layers.1.mlp.down_proj.weight"].chunk(dst_tp, 1)[r])
+        assert torch.equal(d["model.norm.weight"], full["model.norm.weight"])
+        per = d["lm_head.weight"].shape[0]
+        rows = full["lm_head.weight"][r * per:(r + 1) * per]
+        assert torch.equal(d["lm_head.weight"][: rows.shape[0]], rows)
+        assert torch.isnan(d["lm_head.weight"][rows.shape[0]:].float()).all()  # padding untouched
+
+
+def test_digest_is_deterministic_and_balanced():
+    cfg = model_config("small")
+    a = make_plan(megatron_layout(cfg, 2), vllm_layout(cfg, 4))
+    b = make_plan(megatron_layout(cfg, 2), vllm_layout(cfg, 4))
+    assert a.digest == b.digest
+    s0, s1 = a.send_bytes(0), a.send_bytes(1)
+    assert abs(s0 - s1) <= 0.05 * max(s0, s1)  # replicated norms shared between the two senders
+    assert a.total_bytes == sum(b.nbytes for bufs in vllm_layout(cfg, 4).ranks for b in bufs) - sum(
+        p.numel * 2 for bufs in vllm_layout(cfg, 4).ranks for b in bufs for p in b.padding)
+
+
+def test_incompatible_models_name_first_mismatch():
+    with pytest.raises(LayoutError, match="shape mismatch"):
+        make_plan(megatron_layout(model_config("tiny"), 2), vllm_layout(model_config("small"), 4))
