@@ -73,7 +73,7 @@ class Engine:
     def __init__(self, transport: Transport, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
                  tensor_shapes: dict[str, tuple[int, ...]], pool: StagingPool, deadline: float,
                  progress: Callable[[int, int], None] | None = None, checksums: bool = True,
-                 hook: Callable[[int], None] | None = None) -> None:
+                 hook: Callable[[int], None] | None = None, dst_offset: int | None = None) -> None:
         if side not in ("src", "dst"):
             raise ValueError(f"side must be 'src' or 'dst', not {side!r}")
         self.t, self.plan, self.side, self.rank = transport, plan, side, rank
@@ -81,12 +81,13 @@ class Engine:
         self.deadline, self.progress, self.do_checksums, self.hook = deadline, progress, checksums, hook
         self.msgs = (plan.sends if side == "src" else plan.recvs).get(rank, [])
         self.src_world = plan.src_world
+        self.dst_offset = plan.src_world if dst_offset is None else dst_offset
         self.checksums: dict[PieceKey, int] = defaultdict(int)
         self.bytes_done = 0
         self.checksum_seconds = 0.0
 
     def _peer(self, m: Message) -> int:
-        return self.src_world + m.dst if self.side == "src" else m.src
+        return self.dst_offset + m.dst if self.side == "src" else m.src
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()

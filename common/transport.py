@@ -36,6 +36,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work: ...
 
+    def broadcast(self, buf: torch.Tensor, members: tuple[int, ...]) -> Work:
+        """Broadcast from members[0] to the other members (the serialized baseline's collective)."""
+        raise NotImplementedError(f"transport {self.name} has no broadcast")
+
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -62,8 +66,10 @@ class GlooTransport(Transport):
         from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.session = rank, world, session
+        self._groups: dict[tuple[int, ...], object] = {}
         timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout = timeout
         t0 = time.monotonic()
         try:
             self._store = TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=timeout, wait_for_workers=False)
@@ -82,7 +88,22 @@ class GlooTransport(Transport):
     def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
         return _GlooWork(self._pg.recv([buf], peer, tag), f"receive from rank {peer} (tag {tag})")
 
+    def broadcast(self, buf: torch.Tensor, members: tuple[int, ...]) -> Work:
+        from torch.distributed import BroadcastOptions, PrefixStore
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        pg = self._groups.get(members)
+        if pg is None:
+            name = "-".join(map(str, members))
+            pg = ProcessGroupGloo(PrefixStore(f"reshard/{self.session}/group/{name}", self._store),
+                                  members.index(self.rank), len(members), self._timeout)
+            self._groups[members] = pg
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        return _GlooWork(pg.broadcast([buf], opts), f"broadcast from rank {members[0]}")
+
     def close(self) -> None:
+        self._groups.clear()
         self._pg = None
         self._store = None
 

@@ -1,0 +1,195 @@
+"""Controller side of the internal worker protocol: the workers attached to one
+controller, each over one bidirectional gRPC stream it opened.
+
+Commands are sent by id; replies resolve futures; events (progress, transfer
+done, published) go to the controller's callbacks. A stream that ends marks the
+worker dead and fails its pending calls at once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import worker_pb2 as wpb
+from reshard.proto import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger("reshard.hub")
+
+
+class WorkerError(RuntimeError):
+    """A worker answered a command with an error, died, or did not answer in time."""
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerConn:
+    rank: int
+    hello: wpb.Hello
+    queue: asyncio.Queue
+    pending: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
+    pieces: dict[int, list[wpb.ReadPiece]] = dataclasses.field(default_factory=dict)
+    alive: bool = True
+    busy: bool = False
+    requests_served: int = 0
+    requests_during_update: int = 0
+    version: pb.Version | None = None
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.hello.pid
+
+
+class WorkerHub(wgrpc.WorkerControlServicer):
+    def __init__(self, world: int, role: str) -> None:
+        self.world, self.role = world, role
+        self.workers: dict[int, WorkerConn] = {}
+        self._ids = itertools.count(1)
+        self.changed = asyncio.Condition()
+        self.on_event: Callable[[WorkerConn, wpb.WorkerMessage], None] | None = None
+        self.on_disconnect: Callable[[WorkerConn], None] | None = None
+        self.generation = 0  # bumps whenever membership changes
+
+    # -- the stream ------------------------------------------------------------------
+    async def Attach(self, request_iterator, context):
+        first = await request_iterator.__anext__()
+        if first.WhichOneof("kind") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a worker stream must be hello")
+        h = first.hello
+        if h.role != self.role:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {h.role} worker attached to the {self.role} controller")
+        if not 0 <= h.rank < self.world or h.world != self.world:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker rank {h.rank} of world {h.world} does not fit this deployment of {self.world} workers")
+        old = self.workers.get(h.rank)
+        if old is not None and old.alive:
+            self._drop(old, "replaced by a new worker of the same rank")
+        conn = WorkerConn(h.rank, h, asyncio.Queue(), version=h.version if h.has_version else None)
+        self.workers[h.rank] = conn
+        self.generation += 1
+        log.info("%s worker rank %d attached (pid %d)", self.role, h.rank, h.pid)
+        await self._notify()
+
+        async def reader() -> None:
+            try:
+                async for msg in request_iterator:
+                    conn.last_seen = time.monotonic()
+                    self._dispatch(conn, msg)
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                pass
+            finally:
+                conn.queue.put_nowait(None)
+
+        task = asyncio.get_running_loop().create_task(reader())
+        try:
+            while True:
+                item = await conn.queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            task.cancel()
+            if self.workers.get(h.rank) is conn:
+                self._drop(conn, "its stream ended")
+                await self._notify()
+
+    def _drop(self, conn: WorkerConn, why: str) -> None:
+        if not conn.alive:
+            return
+        conn.alive = False
+        conn.queue.put_nowait(None)
+        log.warning("%s worker rank %d (pid %d) lost: %s", self.role, conn.rank, conn.pid, why)
+        for fut in conn.pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerError(f"{self.role} worker rank {conn.rank} died ({why})"))
+        conn.pending.clear()
+        self.generation += 1
+        if self.on_disconnect:
+            self.on_disconnect(conn)
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _dispatch(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "reply":
+            fut = conn.pending.pop(msg.reply.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.reply)
+        elif kind == "piece":
+            conn.pieces.setdefault(msg.piece.id, []).append(msg.piece)
+        elif kind == "heartbeat":
+            conn.requests_served = msg.heartbeat.requests_served
+            conn.requests_during_update = msg.heartbeat.requests_during_update
+            conn.version = msg.heartbeat.version if msg.heartbeat.has_version else None
+        elif self.on_event:
+            self.on_event(conn, msg)
+
+    # -- commands --------------------------------------------------------------------
+    def alive(self) -> list[WorkerConn]:
+        return [w for r, w in sorted(self.workers.items()) if w.alive]
+
+    def complete(self) -> bool:
+        return len(self.alive()) == self.world
+
+    async def wait_complete(self, timeout: float) -> None:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(self.complete), timeout)
+            except asyncio.TimeoutError:
+                missing = sorted(set(range(self.world)) - {w.rank for w in self.alive()})
+                raise WorkerError(f"{self.role} workers {missing} are not attached after {timeout:.0f}s") from None
+
+    async def call(self, conn: WorkerConn, timeout: float, **command) -> wpb.Reply:
+        if not conn.alive:
+            raise WorkerError(f"{self.role} worker rank {conn.rank} is not attached")
+        cid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        conn.pending[cid] = fut
+        conn.queue.put_nowait(wpb.ControllerMessage(id=cid, **command))
+        try:
+            reply = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            conn.pending.pop(cid, None)
+            name = next(iter(command))
+            raise WorkerError(f"{self.role} worker rank {conn.rank} (pid {conn.pid}) did not answer {name} within {timeout:.1f}s") from None
+        if not reply.ok:
+            raise WorkerError(f"{self.role} worker rank {conn.rank}: {reply.error}")
+        return reply
+
+    async def call_all(self, timeout: float, **command) -> list[wpb.Reply]:
+        if not self.complete():
+            missing = sorted(set(range(self.world)) - {w.rank for w in self.alive()})
+            raise WorkerError(f"{self.role} workers {missing} are not attached (deployment degraded)")
+        results = await asyncio.gather(*(self.call(w, timeout, **command) for w in self.alive()), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def send_all(self, **command) -> None:
+        """Fire and forget (abort): no reply awaited."""
+        for w in self.alive():
+            w.queue.put_nowait(wpb.ControllerMessage(id=next(self._ids), **command))
+
+    async def read(self, conn: WorkerConn, tensor: str, timeout: float) -> list[wpb.ReadPiece]:
+        cid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        conn.pending[cid] = fut
+        conn.queue.put_nowait(wpb.ControllerMessage(id=cid, read=wpb.Read(tensor=tensor)))
+        try:
+            reply = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            conn.pending.pop(cid, None)
+            conn.pieces.pop(cid, None)
+            raise WorkerError(f"{self.role} worker rank {conn.rank} did not answer the read within {timeout:.1f}s") from None
+        pieces = conn.pieces.pop(cid, [])
+        if not reply.ok:
+            raise WorkerError(f"{self.role} worker rank {conn.rank}: {reply.error}")
+        return pieces

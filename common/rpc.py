@@ -1,0 +1,109 @@
+"""gRPC plumbing shared by the services: servers with health and reflection,
+channels, addresses, deadlines, and running our own processes on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("reshard.rpc")
+
+MAX_MESSAGE_BYTES = 256 << 20  # layouts of large models; raised on purpose
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Deadlines:
+    rpc_s: float = 10.0
+    """Deadline of ordinary control-plane calls."""
+    update_s: float = 120.0
+    """Deadline of one whole update (NEGOTIATE to COMMIT); the data plane's timeout never exceeds it."""
+
+    def __post_init__(self) -> None:
+        if self.rpc_s <= 0 or self.update_s <= 0:
+            raise ValueError("deadlines must be positive seconds")
+
+
+def parse_address(addr: str, what: str = "address") -> tuple[str, int]:
+    """'HOST:PORT' -> (host, port), with an error a user can act on."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"malformed {what} {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
+    return host.strip("[]"), int(port)
+
+
+def channel(addr: str) -> grpc.aio.Channel:
+    parse_address(addr)
+    return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+
+
+async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start a grpc.aio server with health and reflection; returns (server, health, port)."""
+    parse_address(listen, "listen address")
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    names = register(server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    for n in names + [""]:
+        await hs.set(n, health_pb2.HealthCheckResponse.SERVING)
+    return server, hs, port
+
+
+async def stop_server(server: grpc.aio.Server, hs: health.aio.HealthServicer, grace: float = 2.0) -> None:
+    await hs.enter_graceful_shutdown()  # NOT_SERVING first
+    await server.stop(grace)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.new_event_loop()
+
+
+def run_main(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
+    """Run one of our own processes on uvloop until SIGTERM/SIGINT sets the stop event."""
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return loop.run_until_complete(main(stop)) or 0
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+def status_error(e: grpc.aio.AioRpcError | grpc.RpcError) -> str:
+    try:
+        return f"{e.code().name}: {e.details()}"
+    except Exception:  # noqa: BLE001 - any RpcError subclass
+        return str(e)

@@ -1,0 +1,288 @@
+"""The worker library's shared core, embedded in the user's process (one per GPU).
+
+A worker runs its own event loop (uvloop) on a background thread: it never
+touches the host program's loop or event-loop policy. It opens one gRPC stream
+to its controller, answers commands, and runs data-plane work on a separate
+thread so the loop keeps answering while bytes move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import worker_pb2 as wpb
+from reshard.proto import worker_pb2_grpc as wgrpc
+
+from . import baseline
+from .engine import Engine, StagingPool, receiver_checksums
+from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
+from .planner import Plan, PlanOptions, make_plan
+from .rpc import CHANNEL_OPTIONS, new_event_loop, parse_address
+from .transport import Transport, TransportError, transport_class
+
+log = logging.getLogger("reshard.worker")
+
+
+def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer]) -> bytes:
+    used = {p.tensor for b in buffers for p in b.pieces}
+    return Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),)).to_bytes()
+
+
+class WorkerBase:
+    """Common machinery of TrainerWorker and InferenceWorker."""
+
+    role = "?"
+    side = "?"  # src | dst
+
+    def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
+                 buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, model: str = "",
+                 fault: dict[str, float] | None = None) -> None:
+        parse_address(controller, "controller address")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a world of {world}")
+        for name, (desc, t) in buffers.items():
+            if tuple(t.shape) != desc.shape or t.dtype != dtype_of(desc.dtype):
+                raise ValueError(f"buffer {name!r}: tensor is {tuple(t.shape)} {t.dtype}, layout says {desc.shape} {desc.dtype}")
+            if not t.is_contiguous():
+                raise ValueError(f"buffer {name!r} must be contiguous")
+        self.controller, self.rank, self.world, self.model = controller, rank, world, model
+        self.tensors = tensors
+        self.descs = {n: d for n, (d, _) in buffers.items()}
+        self.live = {n: t for n, (_, t) in buffers.items()}
+        self.shapes = {n: t.shape for n, t in tensors.items()}
+        self.version: pb.Version | None = None
+        self.fault = fault or {}
+        self._pool = StagingPool()
+        self._plans: dict[tuple, Plan] = {}
+        self._session: tuple[str, Transport] | None = None
+        self._dp = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{self.role}{rank}-dp")
+        self._aborted: set[str] = set()
+        self._current: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._out: asyncio.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._connected = threading.Event()
+        self.last_error = ""
+        self.requests_served = 0
+        self.requests_during_update = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "WorkerBase":
+        self._thread = threading.Thread(target=self._run_loop, name=f"reshard-{self.role}{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_connected(self, timeout: float = 30.0) -> bool:
+        return self._connected.wait(timeout)
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._loop and self._loop.is_running():
+            self._loop.call_soon_threadsafe(lambda: self._out and self._out.put_nowait(None))
+        if self._thread:
+            self._thread.join(10)
+        self._dp.shutdown(wait=False, cancel_futures=True)
+
+    def _run_loop(self) -> None:
+        loop = new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        backoff = 0.2
+        while not self._stopping:
+            try:
+                await self._serve_stream()
+                backoff = 0.2
+            except (grpc.aio.AioRpcError, OSError) as e:
+                if self._stopping:
+                    break
+                log.warning("%s worker %d: controller %s unreachable (%s); retrying", self.role, self.rank, self.controller,
+                            e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+            self._connected.clear()
+            if self._stopping:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _serve_stream(self) -> None:
+        self._out = asyncio.Queue()
+        hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
+                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values())))
+        if self.version is not None:
+            hello.version.CopyFrom(self.version)
+            hello.has_version = True
+        self._out.put_nowait(wpb.WorkerMessage(hello=hello))
+
+        async def outgoing():
+            while True:
+                m = await self._out.get()
+                if m is None:
+                    return
+                yield m
+
+        async with grpc.aio.insecure_channel(self.controller, options=CHANNEL_OPTIONS) as ch:
+            stub = wgrpc.WorkerControlStub(ch)
+            call = stub.Attach(outgoing())
+            self._connected.set()
+            hb = asyncio.get_running_loop().create_task(self._heartbeats())
+            try:
+                async for cmd in call:
+                    asyncio.get_running_loop().create_task(self._handle(cmd))
+            finally:
+                hb.cancel()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            self.emit(self._heartbeat())
+            await asyncio.sleep(0.5)
+
+    def _heartbeat(self) -> wpb.WorkerMessage:
+        hb = wpb.Heartbeat(requests_served=self.requests_served, requests_during_update=self.requests_during_update)
+        if self.version is not None:
+            hb.version.CopyFrom(self.version)
+            hb.has_version = True
+        return wpb.WorkerMessage(heartbeat=hb)
+
+    def emit(self, msg: wpb.WorkerMessage) -> None:
+        """Queue a message to the controller (from any thread)."""
+        loop, out = self._loop, self._out
+        if loop is None or out is None:
+            return
+        if threading.current_thread() is self._thread:
+            out.put_nowait(msg)
+        else:
+            loop.call_soon_threadsafe(out.put_nowait, msg)
+
+    # -- commands ------------------------------------------------------------------------
+    async def _handle(self, cmd: wpb.ControllerMessage) -> None:
+        kind = cmd.WhichOneof("command")
+        t0 = time.perf_counter()
+        try:
+            handler = getattr(self, f"_on_{kind}")
+            extra = await handler(getattr(cmd, kind), cmd.id)
+            reply = wpb.Reply(id=cmd.id, ok=True, seconds=time.perf_counter() - t0, **(extra or {}))
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
+            log.debug("%s worker %d: %s failed", self.role, self.rank, kind, exc_info=True)
+            reply = wpb.Reply(id=cmd.id, ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, (LayoutError, TransportError)) else str(e))
+        if kind != "abort":
+            self.emit(wpb.WorkerMessage(reply=reply))
+
+    async def _on_abort(self, a: wpb.Abort, cid: int) -> None:
+        self._aborted.add(a.update_id)
+        log.warning("%s worker %d: update %s aborted: %s", self.role, self.rank, a.update_id, a.reason)
+        self._drop_session()
+        self.on_abort(a.update_id)
+
+    def on_abort(self, update_id: str) -> None:
+        pass
+
+    def _drop_session(self) -> None:
+        if self._session is not None:
+            _, t = self._session
+            self._session = None
+            # Close on the data-plane thread, after whatever it still runs there.
+            self._dp.submit(t.close)
+
+    async def _on_prepare(self, p: wpb.Prepare, cid: int) -> dict:
+        loop = asyncio.get_running_loop()
+        src, dst = Layout.from_bytes(p.src_layout), Layout.from_bytes(p.dst_layout)
+        opts = PlanOptions(bucket_bytes=p.bucket_bytes) if p.bucket_bytes else PlanOptions()
+        key = (src.fingerprint(), dst.fingerprint(), p.mode, opts.bucket_bytes)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = await loop.run_in_executor(None, make_plan, src, dst, opts)
+            self._plans = {key: plan}
+        if p.mode != "serialized" and plan.digest != p.plan_digest:
+            raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
+        self.before_transfer(p)
+        self._current = p.update_id
+        total = plan.send_bytes(self.rank) if self.side == "src" else plan.recv_bytes(self.rank)
+        loop.create_task(self._transfer(p, plan, src, dst))
+        return {"bytes_total": total}
+
+    def before_transfer(self, p: wpb.Prepare) -> None:
+        pass
+
+    def transfer_buffers(self) -> dict[str, torch.Tensor]:
+        return self.live
+
+    async def _transfer(self, p: wpb.Prepare, plan: Plan, src: Layout, dst: Layout) -> None:
+        loop = asyncio.get_running_loop()
+        done = wpb.TransferDone(update_id=p.update_id)
+        t0 = time.perf_counter()
+        try:
+            sums, nbytes, csum_s = await loop.run_in_executor(self._dp, self._run_transfer, p, plan, src, dst)
+            done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
+            for (r, b, i), v in sorted(sums.items()):
+                done.checksums.add(rank=r, buffer=b, piece=i, value=v)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s worker %d: transfer of %s failed: %s", self.role, self.rank, p.update_id, e)
+            self._drop_session()
+            done.ok, done.error = False, str(e) if isinstance(e, TransportError) else f"{type(e).__name__}: {e}"
+            self.last_error = done.error
+        done.seconds = time.perf_counter() - t0
+        self.emit(wpb.WorkerMessage(done=done))
+
+    def _transport(self, s: pb.Session, timeout: float) -> Transport:
+        if self._session is not None and self._session[0] == s.id:
+            return self._session[1]
+        if self._session is not None:
+            self._session[1].close()
+            self._session = None
+        rank = self.rank if self.side == "src" else s.src_world + self.rank
+        t = transport_class(s.transport or "gloo")(s.store_host, s.store_port, s.id, rank, s.src_world + s.dst_world, timeout)
+        self._session = (s.id, t)
+        return t
+
+    def _run_transfer(self, p: wpb.Prepare, plan: Plan, src: Layout, dst: Layout):
+        """On the data-plane thread: connect (or reuse) the session and move this rank's bytes."""
+        deadline = time.monotonic() + p.timeout_s
+        if p.update_id in self._aborted:
+            raise TransportError(f"update {p.update_id} was aborted")
+        transport = self._transport(p.session, p.timeout_s)
+        buffers = self.transfer_buffers()
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] > 0.1 or done == total:
+                last[0] = now
+                self.emit(wpb.WorkerMessage(progress=wpb.Progress(update_id=p.update_id, bytes_done=done, bytes_total=total)))
+
+        slow_after = int(self.fault.get("slow_after", -1))
+
+        def hook(rnd: int) -> None:
+            if p.update_id in self._aborted:
+                raise TransportError(f"update {p.update_id} was aborted")
+            if rnd == slow_after:
+                time.sleep(float(self.fault.get("slow_seconds", 0)))
+
+        if p.mode == "serialized":
+            return baseline.run(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
+                                deadline, progress, timeout=p.timeout_s)
+        engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
+                        progress=progress, checksums=self.side == "src", hook=hook)
+        sums = engine.run()
+        return sums, engine.bytes_done, engine.checksum_seconds
+
+    def checksums_of(self, plan: Plan, dst: Layout, buffers: dict[str, torch.Tensor]) -> dict:
+        pieces = {(b.name, i): p for b in dst.ranks[self.rank] for i, p in enumerate(b.pieces)}
+        return receiver_checksums(plan, self.rank, buffers, pieces, self.shapes)
+
+    def current_plan(self) -> Plan | None:
+        return next(iter(self._plans.values()), None)

@@ -1,0 +1,87 @@
+"""A standalone inference worker holding a synthetic model (vLLM TP layout),
+with a synthetic serving loop: small computations over the live weights at a
+steady rate, each request tagged with the version it used.
+
+Started by `reshard inference` (one process per worker); run it by hand as
+`python -m reshard.inference_svc.standalone --controller HOST:PORT --rank R --world N --model NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from reshard.common.models import build_layout, model_config
+from reshard.common.synth import init_box
+from reshard.proto import reshard_pb2 as pb
+
+from .worker import InferenceWorker
+
+CHECKPOINT = pb.Version(run="checkpoint", step=0)
+
+
+def build(controller: str, rank: int, world: int, model: str, seed: int, mode: str, fault: dict) -> InferenceWorker:
+    layout = build_layout("vllm", model, world)
+    buffers = {}
+    for desc in layout.ranks[rank]:
+        t = torch.zeros(desc.shape, dtype=torch.bfloat16)
+        for p in desc.pieces:  # the checkpoint the engine loaded at start: synthetic step 0
+            init_box(t[p.region.slices()], seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
+        buffers[desc.name] = (desc, t)
+    return InferenceWorker(controller, rank, world, layout.tensors, buffers, mode=mode, version=CHECKPOINT,
+                           model=model, fault=fault)
+
+
+def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: float = 0.01) -> None:
+    """The synthetic serving loop: one small request every `interval` seconds."""
+    x = None
+    cfg = model_config(worker.model)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    while not stop.is_set():
+        with worker.serving() as version:
+            if version is not None:
+                w = worker.live[name]
+                if x is None:
+                    x = torch.ones(cfg.hidden, dtype=torch.float32)
+                _ = torch.mv(w[:64].float(), x).sum().item()
+                worker.requests_served += 1
+                if worker.updating:
+                    worker.requests_during_update += 1
+        stop.wait(interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="standalone synthetic inference worker")
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    fault = {}
+    if os.environ.get("RESHARD_FAULT_RANK", "") == str(a.rank):
+        fault = {"slow_after": float(os.environ.get("RESHARD_FAULT_SLOW_AFTER", "-1")),
+                 "slow_seconds": float(os.environ.get("RESHARD_FAULT_SLOW_SECONDS", "0"))}
+    worker = build(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker.start()
+    try:
+        serve_forever(worker, stop)
+    finally:
+        worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""InferenceWorker: the inference side of the worker library, embedded in a serving engine.
+
+Shadow mode (default): updates are received into shadow buffers while serving
+continues; at COMMIT the engine is paused at a step boundary, the shadow is
+copied into the live parameters (addresses stay put, so CUDA graphs stay valid),
+the commit hooks run, and serving resumes. In-place mode: serving is paused for
+the whole transfer; if it fails, the worker reports NOT_SERVING until a full
+update succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from reshard.common.checksum import P
+from reshard.common.layout import Layout, LayoutError, LocalBuffer, TensorSpec
+from reshard.common.worker import WorkerBase
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import worker_pb2 as wpb
+
+log = logging.getLogger("reshard.inference")
+
+READ_CHUNK = 1 << 20
+
+
+class InferenceWorker(WorkerBase):
+    role = "inference"
+    side = "dst"
+
+    def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
+                 buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, mode: str = "shadow",
+                 pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None,
+                 commit_hooks: tuple[Callable[[pb.Version], None], ...] = (), version: pb.Version | None = None,
+                 model: str = "", fault: dict[str, float] | None = None) -> None:
+        if mode not in ("shadow", "inplace"):
+            raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
+        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault)
+        self.mode = mode
+        self.pause_hook, self.resume_hook, self.commit_hooks = pause, resume, tuple(commit_hooks)
+        self.version = version
+        # Allocated once, reused by every update.
+        self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if mode == "shadow" else None
+        self._serving = threading.Lock()
+        self.serving_ok = True
+        self.updating = False
+        self._dst: Layout | None = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[pb.Version | None]:
+        """Hold around one engine step: COMMIT waits for the step boundary. Yields the live version."""
+        with self._serving:
+            yield self.version if self.serving_ok else None
+
+    def _pause(self) -> None:
+        self._serving.acquire()
+        if self.pause_hook:
+            self.pause_hook()
+
+    def _resume(self) -> None:
+        if self.resume_hook:
+            self.resume_hook()
+        self._serving.release()
+
+    def before_transfer(self, p: wpb.Prepare) -> None:
+        self._dst = Layout.from_bytes(p.dst_layout)
+        self.updating = True
+        if self.mode == "inplace":
+            self._pause()
+            self.serving_ok = False  # live weights are about to be overwritten
+
+    def transfer_buffers(self) -> dict[str, torch.Tensor]:
+        return self.shadow if self.shadow is not None else self.live
+
+    def on_abort(self, update_id: str) -> None:
+        if self.updating and self.mode == "inplace":
+            self._resume()  # serving_ok stays False: NOT_SERVING until a full update
+        self.updating = False
+
+    async def _on_verify(self, v: wpb.Verify, cid: int) -> dict:
+        plan, dst = self.current_plan(), self._dst
+        if plan is None or dst is None:
+            raise RuntimeError("verify without a prepared update")
+        loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(self._dp, self.checksums_of, plan, dst, self.transfer_buffers())
+        expected = {(c.rank, c.buffer, c.piece): c.value for c in v.expected if c.rank == self.rank}
+        for key, value in sorted(got.items()):
+            if key not in expected:
+                raise LayoutError(f"rank {self.rank}: no expected checksum for buffer {key[1]!r} piece {key[2]}")
+            if expected[key] % P != value:
+                piece = dst.buffer(self.rank, key[1]).pieces[key[2]]
+                raise LayoutError(
+                    f"checksum mismatch on inference rank {self.rank}: tensor {piece.tensor!r} box {piece.box} "
+                    f"in buffer {key[1]!r} (expected {expected[key]}, got {value})")
+        return {}
+
+    async def _on_commit(self, c: wpb.Commit, cid: int) -> dict:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._dp, self._commit, c.version)
+        return {}
+
+    def _commit(self, version: pb.Version) -> None:
+        if self.mode == "shadow":
+            self._pause()
+        try:
+            if self.shadow is not None:
+                for n, t in self.live.items():
+                    t.copy_(self.shadow[n])
+            for hook in self.commit_hooks:
+                hook(version)
+            self.version = pb.Version(run=version.run, step=version.step)
+            self.serving_ok = True
+        finally:
+            self.updating = False
+            self._resume()
+        log.info("inference worker %d: committed %s:%d", self.rank, version.run, version.step)
+
+    async def _on_read(self, r: wpb.Read, cid: int) -> dict:
+        if r.tensor not in self.tensors:
+            return {}
+        with self._serving:
+            version = self.version
+            for name, desc in self.descs.items():
+                for p in desc.pieces:
+                    if p.tensor != r.tensor:
+                        continue
+                    data = self.live[name][p.region.slices()].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    for off in range(0, max(1, len(data)), READ_CHUNK):
+                        piece = wpb.ReadPiece(id=cid, offset=list(p.box.offset), size=list(p.box.size), byte_offset=off,
+                                              data=data[off : off + READ_CHUNK], last=off + READ_CHUNK >= len(data))
+                        if version is not None:
+                            piece.version.CopyFrom(version)
+                        self.emit(wpb.WorkerMessage(piece=piece))
+        return {}

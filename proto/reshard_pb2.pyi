@@ -1,0 +1,269 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Version(_message.Message):
+    __slots__ = ("run", "step")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    step: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class WorkerHealth(_message.Message):
+    __slots__ = ("rank", "state", "pid", "version", "has_version", "detail", "requests_served")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    state: str
+    pid: int
+    version: Version
+    has_version: bool
+    detail: str
+    requests_served: int
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ...) -> None: ...
+
+class UpdateProgress(_message.Message):
+    __slots__ = ("phase", "bytes_done", "bytes_total", "version")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    bytes_done: int
+    bytes_total: int
+    version: Version
+    def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ...) -> None: ...
+
+class UpdateRecord(_message.Message):
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
+    version: Version
+    ok: bool
+    seconds: float
+    bytes: int
+    verified: bool
+    verify_seconds: float
+    error: str
+    transfer_seconds: float
+    mode: str
+    requests_during: int
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_STATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DURING_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    HAS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    model: str
+    version: Version
+    has_version: bool
+    serving_state: str
+    update_in_progress: bool
+    progress: UpdateProgress
+    last_error: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerHealth]
+    requests_served: int
+    requests_during_updates: int
+    history: _containers.RepeatedCompositeFieldContainer[UpdateRecord]
+    committed: Version
+    has_committed: bool
+    layout_fingerprint: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class TriggerUpdateRequest(_message.Message):
+    __slots__ = ("take_step", "mode")
+    TAKE_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    take_step: bool
+    mode: str
+    def __init__(self, take_step: _Optional[bool] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class TriggerUpdateReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: Version
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ...) -> None: ...
+
+class WaitForVersionRequest(_message.Message):
+    __slots__ = ("version", "timeout_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    version: Version
+    timeout_s: float
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class UpdateOutcome(_message.Message):
+    __slots__ = ("ok", "committed", "superseded", "error", "record")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    committed: Version
+    superseded: bool
+    error: str
+    record: UpdateRecord
+    def __init__(self, ok: _Optional[bool] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., superseded: _Optional[bool] = ..., error: _Optional[str] = ..., record: _Optional[_Union[UpdateRecord, _Mapping]] = ...) -> None: ...
+
+class GetLayoutRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LayoutReply(_message.Message):
+    __slots__ = ("model", "layout", "fingerprint", "workers")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layout: bytes
+    fingerprint: str
+    workers: int
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    SRC_WORLD_FIELD_NUMBER: _ClassVar[int]
+    DST_WORLD_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    store_host: str
+    store_port: int
+    src_world: int
+    dst_world: int
+    transport: str
+    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class BeginUpdateRequest(_message.Message):
+    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    version: Version
+    src_layout: bytes
+    plan_digest: str
+    session: Session
+    timeout_s: float
+    mode: str
+    bucket_bytes: int
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class BeginUpdateReply(_message.Message):
+    __slots__ = ("bytes_total",)
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    bytes_total: int
+    def __init__(self, bytes_total: _Optional[int] = ...) -> None: ...
+
+class PieceChecksum(_message.Message):
+    __slots__ = ("rank", "buffer", "piece", "value")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    buffer: str
+    piece: int
+    value: int
+    def __init__(self, rank: _Optional[int] = ..., buffer: _Optional[str] = ..., piece: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+
+class FinishUpdateRequest(_message.Message):
+    __slots__ = ("update_id", "expected")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    expected: _containers.RepeatedCompositeFieldContainer[PieceChecksum]
+    def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Iterable[_Union[PieceChecksum, _Mapping]]] = ...) -> None: ...
+
+class FinishUpdateReply(_message.Message):
+    __slots__ = ("committed", "verify_seconds", "bytes", "requests_during")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
+    committed: Version
+    verify_seconds: float
+    bytes: int
+    requests_during: int
+    def __init__(self, committed: _Optional[_Union[Version, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., requests_during: _Optional[int] = ...) -> None: ...
+
+class AbortUpdateRequest(_message.Message):
+    __slots__ = ("update_id", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortUpdateReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DumpRequest(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    def __init__(self, tensor: _Optional[str] = ...) -> None: ...
+
+class DumpChunk(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "version", "offset", "data", "total_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    version: Version
+    offset: int
+    data: bytes
+    total_bytes: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,200 @@
+from reshard.proto import reshard_pb2 as _reshard_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Hello(_message.Message):
+    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world: int
+    pid: int
+    rank_layout: bytes
+    model: str
+    version: _reshard_pb2.Version
+    has_version: bool
+    role: str
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
+
+class Prepare(_message.Message):
+    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    version: _reshard_pb2.Version
+    src_layout: bytes
+    dst_layout: bytes
+    plan_digest: str
+    session: _reshard_pb2.Session
+    timeout_s: float
+    mode: str
+    bucket_bytes: int
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("update_id", "expected")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    expected: _containers.RepeatedCompositeFieldContainer[_reshard_pb2.PieceChecksum]
+    def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Iterable[_Union[_reshard_pb2.PieceChecksum, _Mapping]]] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("update_id", "version")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    version: _reshard_pb2.Version
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("update_id", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Read(_message.Message):
+    __slots__ = ("tensor",)
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    def __init__(self, tensor: _Optional[str] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: _reshard_pb2.Version
+    def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
+
+class ControllerMessage(_message.Message):
+    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    prepare: Prepare
+    verify: Verify
+    commit: Commit
+    abort: Abort
+    read: Read
+    step: Step
+    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+
+class Reply(_message.Message):
+    __slots__ = ("id", "ok", "error", "seconds", "bytes_total")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    ok: bool
+    error: str
+    seconds: float
+    bytes_total: int
+    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+
+class ReadPiece(_message.Message):
+    __slots__ = ("id", "offset", "size", "byte_offset", "data", "last", "version")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    byte_offset: int
+    data: bytes
+    last: bool
+    version: _reshard_pb2.Version
+    def __init__(self, id: _Optional[int] = ..., offset: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("update_id", "bytes_done", "bytes_total")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    bytes_done: int
+    bytes_total: int
+    def __init__(self, update_id: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("update_id", "ok", "error", "checksums", "bytes", "seconds", "checksum_seconds")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    ok: bool
+    error: str
+    checksums: _containers.RepeatedCompositeFieldContainer[_reshard_pb2.PieceChecksum]
+    bytes: int
+    seconds: float
+    checksum_seconds: float
+    def __init__(self, update_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[_reshard_pb2.PieceChecksum, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum_seconds: _Optional[float] = ...) -> None: ...
+
+class Published(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: _reshard_pb2.Version
+    def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("requests_served", "version", "has_version", "requests_during_update")
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DURING_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    requests_served: int
+    version: _reshard_pb2.Version
+    has_version: bool
+    requests_during_update: int
+    def __init__(self, requests_served: _Optional[int] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., requests_during_update: _Optional[int] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "reply", "piece", "progress", "done", "published", "heartbeat")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    reply: Reply
+    piece: ReadPiece
+    progress: Progress
+    done: TransferDone
+    published: Published
+    heartbeat: Heartbeat
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., reply: _Optional[_Union[Reply, _Mapping]] = ..., piece: _Optional[_Union[ReadPiece, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., published: _Optional[_Union[Published, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...

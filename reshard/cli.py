@@ -1,0 +1,228 @@
+"""The `reshard` command line: services, operator commands and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+import grpc
+
+from reshard.common.models import MODELS
+from reshard.common.rpc import Deadlines, channel, parse_address, status_error
+
+DEFAULT_MODEL = "llama-1g"
+
+
+def _address(what: str):
+    def parse(s: str) -> str:
+        try:
+            parse_address(s, what)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return s
+    return parse
+
+
+def _positive(s: str) -> float:
+    v = float(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="reshard", description="Parallel weight resharding for disaggregated RL")
+    ap.add_argument("--log-level", default=os.environ.get("RESHARD_LOG_LEVEL", "INFO"))
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def deadlines(p):
+        p.add_argument("--rpc-timeout", type=_positive, default=10.0, help="deadline of control-plane calls, seconds")
+        p.add_argument("--update-timeout", type=_positive, default=120.0, help="deadline of one whole update, seconds")
+
+    models = sorted(MODELS)
+    p = sub.add_parser("inference", help="run inference_svc with standalone synthetic workers")
+    p.add_argument("--listen", type=_address("listen address"), required=True)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
+    deadlines(p)
+
+    p = sub.add_parser("trainer", help="run trainer_svc with standalone synthetic workers")
+    p.add_argument("--listen", type=_address("listen address"), required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
+    p.add_argument("--inference", type=_address("inference address"), required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run", default="", help="run id (default: a fresh one; a resumed trainer starts a new run)")
+    p.add_argument("--bucket-bytes", type=int, default=0, help="staging bucket size (default 16 MiB)")
+    p.add_argument("--layout-fault", default="", choices=["", "swap-kv"], help=argparse.SUPPRESS)
+    deadlines(p)
+
+    p = sub.add_parser("update", help="push the trainer's latest version to inference")
+    p.add_argument("--trainer", type=_address("trainer address"), required=True)
+    p.add_argument("--wait", action="store_true", help="wait until it (or a newer version) is committed")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--mode", choices=["reshard", "serialized"], default="reshard")
+    p.add_argument("--no-step", action="store_true", help="push what is published without a simulated step")
+    p.add_argument("--timeout", type=_positive, default=300.0)
+
+    p = sub.add_parser("status", help="what a service serves, its update in progress, workers, errors")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--trainer", type=_address("trainer address"))
+    g.add_argument("--inference", type=_address("inference address"))
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=_positive, default=10.0)
+
+    p = sub.add_parser("dump", help="reassemble a canonical tensor from the inference workers")
+    p.add_argument("--inference", type=_address("inference address"), required=True)
+    p.add_argument("--tensor", required=True)
+    p.add_argument("--out", required=True, help="output file (torch.save of the tensor)")
+    p.add_argument("--timeout", type=_positive, default=60.0)
+
+    p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1")
+    p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
+    p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--baseline-updates", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--trainer-workers", type=int, default=2)
+    p.add_argument("--inference-workers", type=int, default=4)
+    return ap
+
+
+def _version_json(v) -> dict:
+    return {"run": v.run, "step": v.step}
+
+
+def status_json(st) -> dict:
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+async def cmd_update(a) -> int:
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+
+    async with channel(a.trainer) as ch:
+        stub = rgrpc.TrainerServiceStub(ch)
+        try:
+            rep = await stub.TriggerUpdate(pb.TriggerUpdateRequest(take_step=not a.no_step, mode=a.mode), timeout=a.timeout)
+        except grpc.aio.AioRpcError as e:
+            print(f"update failed: {status_error(e)}", file=sys.stderr)
+            return 2
+        if not a.wait:
+            print(json.dumps({"version": _version_json(rep.version)}) if a.json else f"requested {rep.version.run}:{rep.version.step}")
+            return 0
+        try:
+            out = await stub.WaitForVersion(pb.WaitForVersionRequest(version=rep.version, timeout_s=a.timeout), timeout=a.timeout + 5)
+        except grpc.aio.AioRpcError as e:
+            print(f"update {rep.version.run}:{rep.version.step} failed: {status_error(e)}", file=sys.stderr)
+            return 2
+    if a.json:
+        print(json.dumps({"ok": out.ok, "requested": _version_json(rep.version), "committed": _version_json(out.committed) if out.ok else None,
+                          "superseded": out.superseded, "error": out.error, "seconds": out.record.seconds, "bytes": out.record.bytes,
+                          "verified": out.record.verified}))
+    elif out.ok:
+        extra = f" (superseded {rep.version.run}:{rep.version.step})" if out.superseded else ""
+        print(f"committed {out.committed.run}:{out.committed.step}{extra}")
+    if not out.ok:
+        print(f"update {rep.version.run}:{rep.version.step} failed: {out.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def cmd_status(a) -> int:
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+
+    addr = a.trainer or a.inference
+    async with channel(addr) as ch:
+        stub = rgrpc.TrainerServiceStub(ch) if a.trainer else rgrpc.InferenceServiceStub(ch)
+        try:
+            st = await stub.GetStatus(pb.StatusRequest(), timeout=a.timeout)
+        except grpc.aio.AioRpcError as e:
+            print(f"status failed: {status_error(e)}", file=sys.stderr)
+            return 2
+    if a.json:
+        print(json.dumps(status_json(st)))
+        return 0
+    v = f"{st.version.run}:{st.version.step}" if st.has_version else "none"
+    print(f"{st.role} ({st.model}): {'published' if st.role == 'trainer' else 'serving'} {v}, state {st.serving_state}")
+    if st.role == "trainer":
+        print(f"  committed on inference: {st.committed.run}:{st.committed.step}" if st.has_committed else "  committed on inference: none")
+    p = st.progress
+    if st.update_in_progress:
+        pct = 100.0 * p.bytes_done / p.bytes_total if p.bytes_total else 0.0
+        print(f"  update {p.version.run}:{p.version.step}: {p.phase} {p.bytes_done}/{p.bytes_total} bytes ({pct:.0f}%)")
+    if st.last_error:
+        print(f"  last error: {st.last_error}")
+    for w in st.workers:
+        wv = f"{w.version.run}:{w.version.step}" if w.has_version else "none"
+        print(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else ""))
+    if st.role == "inference":
+        print(f"  requests served: {st.requests_served} ({st.requests_during_updates} during updates)")
+    return 0
+
+
+async def cmd_dump(a) -> int:
+    import torch
+
+    from reshard.common.layout import dtype_of
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+
+    buf, first = bytearray(), None
+    async with channel(a.inference) as ch:
+        stub = rgrpc.InferenceServiceStub(ch)
+        try:
+            async for chunk in stub.Dump(pb.DumpRequest(tensor=a.tensor), timeout=a.timeout):
+                first = first or chunk
+                buf.extend(chunk.data)
+        except grpc.aio.AioRpcError as e:
+            print(f"dump failed: {status_error(e)}", file=sys.stderr)
+            return 2
+    if first is None or len(buf) != first.total_bytes:
+        print("dump failed: incomplete stream", file=sys.stderr)
+        return 2
+    t = torch.frombuffer(bytes(buf), dtype=dtype_of(first.dtype)).view(tuple(first.shape)).clone()
+    torch.save({"name": first.name, "tensor": t, "version": _version_json(first.version)}, a.out)
+    print(f"{first.name} {list(first.shape)} {first.dtype} version {first.version.run}:{first.version.step} -> {a.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.command in ("inference", "trainer"):
+        if a.workers < 1:
+            print("--workers must be at least 1", file=sys.stderr)
+            return 2
+        dl = Deadlines(rpc_s=a.rpc_timeout, update_s=a.update_timeout)
+        if a.command == "inference":
+            from reshard.inference_svc.service import main as inf_main
+
+            return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl)
+        from reshard.trainer_svc.service import main as tr_main
+
+        return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault)
+    if a.command == "demo":
+        from reshard.demo import run_demo
+
+        return run_demo(a)
+    from reshard.common.rpc import new_event_loop
+
+    fn = {"update": cmd_update, "status": cmd_status, "dump": cmd_dump}[a.command]
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(fn(a))
+    finally:
+        loop.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

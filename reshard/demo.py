@@ -1,0 +1,134 @@
+"""`reshard demo`: the embedded local default.
+
+Starts inference_svc (4 workers, vLLM TP=4 layout) and trainer_svc (2 workers,
+Megatron TP=2 layout) on 127.0.0.1 as real processes, runs several updates
+(each after a simulated optimizer step), then the serialized baseline on the same
+data and transport, and prints a table (or one JSON object with --json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+from reshard.common.models import model_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(proc: subprocess.Popen, pattern: str, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited with {proc.returncode} before listening")
+        time.sleep(0.1)
+        return
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _status(flag: str, addr: str) -> dict:
+    r = _cli("status", flag, addr, "--json", timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip())
+    return json.loads(r.stdout)
+
+
+def run_demo(a) -> int:
+    cfg = model_config(a.model)
+    log = open(os.devnull, "w") if a.json else sys.stderr
+    inf_addr, tr_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, RESHARD_LOG_LEVEL=os.environ.get("RESHARD_LOG_LEVEL", "WARNING"))
+    print(f"reshard demo: model {a.model} ({cfg.payload_bytes / 1e9:.2f} GB of {cfg.dtype}), "
+          f"trainer Megatron TP={a.trainer_workers} -> inference vLLM TP={a.inference_workers}, gloo on 127.0.0.1", file=log, flush=True)
+    procs = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "reshard.cli", "--log-level", "WARNING", "inference", "--listen", inf_addr,
+                                       "--workers", str(a.inference_workers), "--model", a.model], env=env, stderr=log, stdout=log))
+        procs.append(subprocess.Popen([sys.executable, "-m", "reshard.cli", "--log-level", "WARNING", "trainer", "--listen", tr_addr,
+                                       "--workers", str(a.trainer_workers), "--model", a.model, "--inference", inf_addr,
+                                       "--update-timeout", "600"], env=env, stderr=log, stdout=log))
+        results = {"model": a.model, "payload_bytes": cfg.payload_bytes, "trainer_workers": a.trainer_workers,
+                   "inference_workers": a.inference_workers, "transport": "gloo", "updates": [], "baseline": []}
+
+        def one(mode: str) -> dict:
+            r = _cli("update", "--trainer", tr_addr, "--wait", "--json", "--mode", mode, "--timeout", "900", timeout=1000)
+            if r.returncode != 0 and not r.stdout.strip():
+                raise RuntimeError(f"{mode} update failed: {r.stderr.strip()}")
+            out = json.loads(r.stdout)
+            if not out["ok"]:
+                raise RuntimeError(f"{mode} update failed: {out['error']}")
+            st = _status("--trainer", tr_addr)
+            rec = next(h for h in reversed(st["history"]) if h["version"]["step"] == str(out["committed"]["step"]) or int(h["version"]["step"]) == out["committed"]["step"])
+            secs = float(rec.get("seconds", 0.0))
+            row = {"version": f"{out['committed']['run']}:{out['committed']['step']}", "mode": mode, "seconds": secs,
+                   "transfer_seconds": float(rec.get("transfer_seconds", 0.0)), "bytes": int(rec.get("bytes", 0)),
+                   "verify_seconds": float(rec.get("verify_seconds", 0.0)), "verified": bool(rec.get("verified", False)),
+                   "requests_during": int(rec.get("requests_during", 0))}
+            row["gbps"] = row["bytes"] / row["seconds"] / 1e9 if row["seconds"] else 0.0
+            print(f"  {mode:10s} {row['version']:>18s}  {row['seconds']:7.3f} s  {row['bytes'] / 1e9:6.3f} GB  {row['gbps']:6.2f} GB/s  "
+                  f"verify {row['verify_seconds']:.3f} s  verified {'yes' if row['verified'] else 'NO'}", file=log, flush=True)
+            return row
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                st = _status("--inference", inf_addr)
+                if st["serving_state"] == "SERVING" and _status("--trainer", tr_addr)["serving_state"] == "SERVING":
+                    break
+            except (RuntimeError, ValueError):
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError("services did not come up")
+            time.sleep(0.5)
+        for _ in range(a.updates):
+            results["updates"].append(one("reshard"))
+        for _ in range(a.baseline_updates):
+            results["baseline"].append(one("serialized"))
+        inf = _status("--inference", inf_addr)
+        results["requests_served"] = int(inf.get("requests_served", 0))
+        results["requests_during_updates"] = int(inf.get("requests_during_updates", 0))
+        ups = results["updates"]
+        mean = sum(u["seconds"] for u in ups) / len(ups) if ups else 0.0
+        base = sum(u["seconds"] for u in results["baseline"]) / len(results["baseline"]) if results["baseline"] else 0.0
+        results["reshard_seconds"] = mean
+        results["baseline_seconds"] = base
+        results["speedup_vs_serialized"] = base / mean if mean and base else None
+        results["verified"] = all(u["verified"] for u in ups + results["baseline"])
+        if a.json:
+            print(json.dumps(results, indent=2))
+        else:
+            print_table(results)
+        return 0 if results["verified"] else 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def print_table(r: dict) -> None:
+    print()
+    print(f"{'update':<8}{'version':>20}{'seconds':>10}{'GB':>9}{'GB/s':>8}{'verify s':>10}{'verified':>10}{'requests':>10}")
+    rows = [("reshard", u) for u in r["updates"]] + [("serial", u) for u in r["baseline"]]
+    for kind, u in rows:
+        print(f"{kind:<8}{u['version']:>20}{u['seconds']:>10.3f}{u['bytes'] / 1e9:>9.3f}{u['gbps']:>8.2f}"
+              f"{u['verify_seconds']:>10.3f}{'yes' if u['verified'] else 'NO':>10}{u['requests_during']:>10}")
+    sp = r["speedup_vs_serialized"]
+    print(f"\nreshard {r['reshard_seconds']:.3f} s/update vs serialized {r['baseline_seconds']:.3f} s/update: "
+          f"speedup {sp:.2f}x" if sp else "\n(no baseline run)")
+    print(f"inference served {r['requests_served']} requests, {r['requests_during_updates']} of them during updates")

@@ -1,0 +1,513 @@
+"""Property-based tests of the planner on random layouts, plus focused validation tests.
+
+Every expectation here is built from how the test itself constructed the layouts
+(slicing the canonical tensors by the boxes it chose), never from plan segments;
+the plan is only read to check its structural properties (exactly-once writes,
+matched rounds, balance, determinism).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reshard.common.engine import execute_in_memory
+from reshard.common.layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, dtype_of, itemsize
+from reshard.common.planner import ALIGN, PlanOptions, make_plan
+
+FLOAT_DTYPES = ("float32", "bfloat16")
+SRC_GARBAGE = -4096.0  # fills undeclared gap rows of source buffers (never a canonical value)
+
+
+# --------------------------------------------------------------------------------------------
+# Scenario construction (hypothesis strategies)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BufDesc:
+    """How the test itself laid out one local buffer: pieces stacked on dim 0."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    items: list[tuple[str, Box, int]]  # (tensor, canonical box, first row in the buffer)
+    pad_rows: int = 0  # declared padding rows at the end (destination only)
+
+    @property
+    def data_rows(self) -> int:
+        return self.shape[0] - self.pad_rows
+
+
+@dataclasses.dataclass
+class Scenario:
+    specs: dict[str, TensorSpec]
+    src: Layout
+    dst: Layout
+    src_desc: list[list[BufDesc]]
+    dst_desc: list[list[BufDesc]]
+    seed: int
+
+
+@st.composite
+def tensor_specs(draw, max_tensors: int = 3) -> dict[str, TensorSpec]:
+    n = draw(st.integers(1, max_tensors))
+    specs = {}
+    for i in range(n):
+        ndim = draw(st.integers(1, 3))
+        # Trailing dims from a small set so that pieces of different tensors can share them (fusion).
+        trail = tuple(draw(st.sampled_from([1, 2, 3, 5, 8, 24])) for _ in range(ndim - 1))
+        rows = draw(st.one_of(st.integers(1, 12), st.integers(32, 96), st.integers(500, 3000)))
+        shape = (min(rows, max(1, 20000 // math.prod(trail))), *trail)  # at most ~80 KB
+        specs[f"t{i}"] = TensorSpec(f"t{i}", shape, draw(st.sampled_from(FLOAT_DTYPES)))
+    return specs
+
+
+def draw_split(draw, shape: tuple[int, ...], max_cuts: int = 4) -> list[Box]:
+    """Split `shape` on a random axis into random, uneven, contiguous chunks."""
+    axis = draw(st.integers(0, len(shape) - 1))
+    extent = shape[axis]
+    cuts = sorted(draw(st.sets(st.integers(1, extent - 1), max_size=min(max_cuts, extent - 1)))) if extent > 1 else []
+    bounds = [0, *cuts, extent]
+    boxes = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        off = tuple(lo if d == axis else 0 for d in range(len(shape)))
+        size = tuple(hi - lo if d == axis else s for d, s in enumerate(shape))
+        boxes.append(Box(off, size))
+    return boxes
+
+
+def draw_holders(draw, world: int) -> list[int]:
+    """A non-empty set of ranks holding one box (replication when more than one)."""
+    return sorted(draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world)))
+
+
+def draw_buffers(draw, items: list[tuple[str, Box]], specs: dict[str, TensorSpec], side: str) -> list[BufDesc]:
+    """Group one rank's pieces into buffers, fusing along dim 0 when dtype and trailing dims match.
+
+    Source buffers may have undeclared gap rows before a piece (sources need not be
+    full); destination buffers may end in declared padding rows."""
+    if not items:
+        return []
+    order = draw(st.permutations(list(range(len(items)))))
+    items = [items[i] for i in order]
+    groups: list[list[tuple[str, Box]]] = []
+    for t, box in items:
+        if groups:
+            pt, pbox = groups[-1][-1]
+            same = specs[pt].dtype == specs[t].dtype and pbox.size[1:] == box.size[1:] and pbox.ndim == box.ndim
+            if same and draw(st.booleans()):
+                groups[-1].append((t, box))
+                continue
+        groups.append([(t, box)])
+    out = []
+    for gi, group in enumerate(groups):
+        row, placed = 0, []
+        for t, box in group:
+            if side == "src":
+                row += draw(st.integers(0, 2))  # undeclared gap rows (garbage)
+            placed.append((t, box, row))
+            row += box.size[0]
+        pad = draw(st.integers(0, 3)) if side == "dst" else draw(st.integers(0, 1))
+        trail = group[0][1].size[1:]
+        out.append(BufDesc(f"{side}buf{gi}", (row + pad, *trail), specs[group[0][0]].dtype, placed,
+                           pad if side == "dst" else 0))
+    return out
+
+
+def to_layout(specs: dict[str, TensorSpec], desc: list[list[BufDesc]]) -> Layout:
+    ranks = []
+    for bufs in desc:
+        lbs = []
+        for b in bufs:
+            pieces = tuple(
+                Piece(t, Box((row, *(0 for _ in box.size[1:])), box.size), box) for t, box, row in b.items
+            )
+            padding = ()
+            if b.pad_rows:
+                padding = (Box((b.data_rows, *(0 for _ in b.shape[1:])), (b.pad_rows, *b.shape[1:])),)
+            lbs.append(LocalBuffer(b.name, b.shape, b.dtype, pieces, padding))
+        ranks.append(tuple(lbs))
+    return Layout(dict(specs), tuple(ranks))
+
+
+def draw_side(draw, specs: dict[str, TensorSpec], world: int, side: str) -> list[list[BufDesc]]:
+    per_rank: list[list[tuple[str, Box]]] = [[] for _ in range(world)]
+    for name, spec in specs.items():
+        for box in draw_split(draw, spec.shape):
+            for r in draw_holders(draw, world):
+                per_rank[r].append((name, box))
+    return [draw_buffers(draw, items, specs, side) for items in per_rank]
+
+
+@st.composite
+def plan_options(draw) -> PlanOptions:
+    bucket = draw(st.one_of(st.integers(64, 160).map(lambda k: 64 * k), st.integers(4096, 10240)))
+    direct = draw(st.one_of(st.just(1 << 30), st.sampled_from([1, 64, 4096]), st.integers(1, 65536)))
+    max_msg = bucket + draw(st.integers(0, 3 * bucket))
+    return PlanOptions(bucket_bytes=bucket, direct_min_bytes=direct, max_message_bytes=max_msg)
+
+
+@st.composite
+def scenarios(draw) -> Scenario:
+    specs = draw(tensor_specs())
+    src_world = draw(st.integers(1, 4))
+    dst_world = draw(st.integers(1, 4))
+    src_desc = draw_side(draw, specs, src_world, "src")
+    dst_desc = draw_side(draw, specs, dst_world, "dst")
+    seed = draw(st.integers(0, 2**31 - 1))
+    return Scenario(specs, to_layout(specs, src_desc), to_layout(specs, dst_desc), src_desc, dst_desc, seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers and expectations, by slicing
+# --------------------------------------------------------------------------------------------
+
+
+def canonical_tensors(specs: dict[str, TensorSpec], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s.shape, generator=g).to(dtype_of(s.dtype)) for n, s in specs.items()}
+
+
+def source_buffers(sc: Scenario, full: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for bufs in sc.src_desc:
+        d = {}
+        for b in bufs:
+            t = torch.full(b.shape, SRC_GARBAGE, dtype=dtype_of(b.dtype))
+            for name, box, row in b.items:
+                t[row : row + box.size[0]] = full[name][box.slices()]
+            d[b.name] = t
+        out.append(d)
+    return out
+
+
+def nan_buffers(desc: list[list[BufDesc]]) -> list[dict[str, torch.Tensor]]:
+    return [{b.name: torch.full(b.shape, float("nan"), dtype=dtype_of(b.dtype)) for b in bufs} for bufs in desc]
+
+
+def expected_data(b: BufDesc, full: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The non-padding rows of a destination buffer, by concatenating canonical slices."""
+    return torch.cat([full[name][box.slices()] for name, box, _ in b.items], dim=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Plan property checks (shared)
+# --------------------------------------------------------------------------------------------
+
+
+def check_exactly_once(plan, sc: Scenario) -> None:
+    counts = {(r, b.name): torch.zeros(b.shape, dtype=torch.int32) for r, bufs in enumerate(sc.dst_desc) for b in bufs}
+    for m in plan.messages:
+        for s in m.segments:
+            assert s.box.size == s.dst_region.size == s.src_region.size
+            counts[(m.dst, s.dst_buffer)][s.dst_region.slices()] += torch.ones(s.dst_region.size, dtype=torch.int32)
+    for r, bufs in enumerate(sc.dst_desc):
+        for b in bufs:
+            c = counts[(r, b.name)]
+            assert bool((c[: b.data_rows] == 1).all()), f"dst rank {r} buffer {b.name}: counts {c[: b.data_rows]}"
+            assert bool((c[b.data_rows :] == 0).all()), f"dst rank {r} buffer {b.name}: padding written"
+
+
+def check_rounds(plan) -> None:
+    keys = [(m.src, m.dst, m.tag) for m in plan.messages]
+    assert len(set(keys)) == len(keys), "duplicate (src, dst, tag)"
+    send_round = {(m.src, m.dst, m.tag): m.round for ms in plan.sends.values() for m in ms}
+    recv_round = {(m.src, m.dst, m.tag): m.round for ms in plan.recvs.values() for m in ms}
+    assert sum(len(v) for v in plan.sends.values()) == len(plan.messages)
+    assert sum(len(v) for v in plan.recvs.values()) == len(plan.messages)
+    for m in plan.messages:
+        assert m in plan.sends[m.src] and m in plan.recvs[m.dst]
+        assert send_round[(m.src, m.dst, m.tag)] == recv_round[(m.src, m.dst, m.tag)] == m.round
+    for side in (plan.sends, plan.recvs):
+        for rank, ms in side.items():
+            rounds = [m.round for m in ms]
+            assert rounds == sorted(rounds), f"rank {rank}: rounds out of order {rounds}"
+            assert all((m.src if side is plan.sends else m.dst) == rank for m in ms)
+    assert plan.num_rounds == max((m.round + 1 for m in plan.messages), default=0)
+    simulate_rounds(plan)
+
+
+def simulate_rounds(plan) -> None:
+    """Run the engine's protocol abstractly: a rank posts every op of its current round and
+    moves on only when all of them completed; an op completes when both ends posted it."""
+    peers = [("s", r, plan.sends.get(r, [])) for r in range(plan.src_world)] + [
+        ("d", r, plan.recvs.get(r, [])) for r in range(plan.dst_world)
+    ]
+    rounds = {(k, r): sorted({m.round for m in ms}) for k, r, ms in peers}
+    pos = {key: 0 for key in rounds}
+    done: set[tuple[int, int, int]] = set()
+
+    def current(key):
+        rs = rounds[key]
+        return rs[pos[key]] if pos[key] < len(rs) else None
+
+    progress = True
+    while progress:
+        progress = False
+        for m in plan.messages:
+            k = (m.src, m.dst, m.tag)
+            if k not in done and current(("s", m.src)) == m.round and current(("d", m.dst)) == m.round:
+                done.add(k)
+                progress = True
+        for k, r, ms in peers:
+            cur = current((k, r))
+            if cur is not None and all((m.src, m.dst, m.tag) in done for m in ms if m.round == cur):
+                pos[(k, r)] += 1
+                progress = True
+    assert len(done) == len(plan.messages), "the round schedule deadlocks"
+
+
+def check_sizes(plan, opts: PlanOptions) -> None:
+    pairs: dict[tuple[int, int, int], list] = defaultdict(list)
+    for m in plan.messages:
+        pairs[(m.src, m.dst, m.round)].append(m)
+        assert m.nbytes == sum(s.nbytes for s in m.segments)
+        assert m.nbytes <= opts.max_message_bytes
+        if m.send_direct or m.recv_direct:
+            assert len(m.segments) == 1
+        if not (m.send_direct and m.recv_direct):
+            assert m.nbytes <= opts.bucket_bytes
+            if opts.bucket_bytes % ALIGN == 0:  # see test_staged_bytes_bound_with_unaligned_bucket
+                assert m.staged_bytes <= opts.bucket_bytes
+    for ms in pairs.values():
+        if len(ms) > 1:
+            staged = sum(m.staged_bytes for m in ms if not (m.send_direct and m.recv_direct))
+            if opts.bucket_bytes % ALIGN == 0:
+                assert staged <= opts.bucket_bytes
+            assert sum(m.nbytes for m in ms) <= opts.max_message_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# 1-3. Random layouts: exact values, exactly-once, matched rounds
+# --------------------------------------------------------------------------------------------
+
+
+@given(sc=scenarios(), opts=plan_options())
+def test_random_layouts_exact(sc: Scenario, opts: PlanOptions):
+    plan = make_plan(sc.src, sc.dst, opts)
+    full = canonical_tensors(sc.specs, sc.seed)
+    sbufs = source_buffers(sc, full)
+    dbufs = nan_buffers(sc.dst_desc)
+    execute_in_memory(plan, sbufs, dbufs)
+    for r, bufs in enumerate(sc.dst_desc):
+        for b in bufs:
+            got = dbufs[r][b.name]
+            assert torch.equal(got[: b.data_rows], expected_data(b, full)), f"dst rank {r} buffer {b.name}"
+            assert bool(torch.isnan(got[b.data_rows :].float()).all()), f"dst rank {r} {b.name}: padding touched"
+    # Sources are read-only.
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(sbufs, source_buffers(sc, full)) for k in a)
+    payload = sum(b.data_rows * math.prod(b.shape[1:]) * itemsize(b.dtype) for bufs in sc.dst_desc for b in bufs)
+    assert plan.total_bytes == payload
+
+
+@given(sc=scenarios(), opts=plan_options())
+def test_random_layouts_exactly_once_and_rounds(sc: Scenario, opts: PlanOptions):
+    plan = make_plan(sc.src, sc.dst, opts)
+    check_exactly_once(plan, sc)
+    check_rounds(plan)
+    check_sizes(plan, opts)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Balance over replicated sources
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def replicated_scenarios(draw) -> tuple[Scenario, int]:
+    specs = draw(tensor_specs(max_tensors=2))
+    k = draw(st.integers(2, 4))
+    dst_world = draw(st.integers(1, 4))
+    # Every source rank holds every tensor in full (possibly fused with others).
+    src_desc = [draw_buffers(draw, [(n, Box.full(s.shape)) for n, s in specs.items()], specs, "src") for _ in range(k)]
+    per_rank: list[list[tuple[str, Box]]] = [[] for _ in range(dst_world)]
+    largest = 0
+    for name, spec in specs.items():
+        for box in draw_split(draw, spec.shape, max_cuts=10):
+            largest = max(largest, box.numel * itemsize(spec.dtype))
+            for r in draw_holders(draw, dst_world):
+                per_rank[r].append((name, box))
+    dst_desc = [draw_buffers(draw, items, specs, "dst") for items in per_rank]
+    sc = Scenario(specs, to_layout(specs, src_desc), to_layout(specs, dst_desc), src_desc, dst_desc, 0)
+    return sc, largest
+
+
+@given(case=replicated_scenarios())
+def test_replicated_sources_are_balanced(case):
+    sc, largest = case
+    plan = make_plan(sc.src, sc.dst)  # default buckets: every destination piece is one segment
+    assert max(s.nbytes for m in plan.messages for s in m.segments) == largest
+    sent = [plan.send_bytes(r) for r in range(sc.src.world)]
+    assert max(sent) - min(sent) <= largest, sent
+    check_exactly_once(plan, sc)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Determinism
+# --------------------------------------------------------------------------------------------
+
+
+@given(sc=scenarios(), opts=plan_options())
+def test_digest_deterministic(sc: Scenario, opts: PlanOptions):
+    a = make_plan(sc.src, sc.dst, opts)
+    b = make_plan(Layout.from_bytes(sc.src.to_bytes()), Layout.from_bytes(sc.dst.to_bytes()), opts)
+    assert a.digest == b.digest
+    assert a.messages == b.messages
+    # A different destination layout: one more padding row at the end of one buffer.
+    r = next(i for i, bufs in enumerate(sc.dst_desc) if bufs)
+    desc = [list(bufs) for bufs in sc.dst_desc]
+    b0 = desc[r][0]
+    desc[r][0] = dataclasses.replace(b0, shape=(b0.shape[0] + 1, *b0.shape[1:]), pad_rows=b0.pad_rows + 1)
+    other = make_plan(sc.src, to_layout(sc.specs, desc), opts)
+    assert other.digest != a.digest
+
+
+# --------------------------------------------------------------------------------------------
+# Staged-bytes bound (documented on PlanOptions.bucket_bytes)
+# --------------------------------------------------------------------------------------------
+
+
+def _one(name: str, shape, dtype: str = "float32", box: Box | None = None, region_shape=None) -> LocalBuffer:
+    box = box or Box.full(shape)
+    bshape = tuple(region_shape or box.size)
+    return LocalBuffer(name, bshape, dtype, (Piece(name, Box.full(box.size), box),))
+
+
+@pytest.mark.xfail(strict=True, reason="bucket_bytes not a multiple of 64: a staged message's aligned size exceeds it")
+def test_staged_bytes_bound_with_unaligned_bucket():
+    specs = {"w": TensorSpec("w", (2000,), "float32")}
+    lay = Layout(specs, ((_one("w", (2000,)),),))
+    opts = PlanOptions(bucket_bytes=4100, direct_min_bytes=1 << 30, max_message_bytes=8200)
+    plan = make_plan(lay, lay, opts)
+    # PlanOptions.bucket_bytes: "Upper bound on the staged bytes of one message".
+    assert max(m.staged_bytes for m in plan.messages) <= opts.bucket_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Validation errors
+# --------------------------------------------------------------------------------------------
+
+
+def _lay(specs: dict[str, TensorSpec], *ranks: tuple[LocalBuffer, ...]) -> Layout:
+    return Layout(specs, tuple(tuple(r) for r in ranks))
+
+
+W = {"w": TensorSpec("w", (8, 4), "float32")}
+FULL_W = _lay(W, (_one("w", (8, 4)),))
+
+
+def test_error_source_coverage_gap():
+    src = _lay(W, (_one("w", (8, 4), box=Box((0, 0), (4, 4))),))
+    with pytest.raises(LayoutError, match=r"tensor 'w'.*covers only 16 of its 32 elements \(coverage gap\)"):
+        make_plan(src, FULL_W)
+
+
+def test_error_overlapping_pieces_in_one_buffer():
+    two = {"a": TensorSpec("a", (4, 4), "float32"), "b": TensorSpec("b", (4, 4), "float32")}
+    src = _lay(two, (_one("a", (4, 4)), _one("b", (4, 4))))
+    fused = LocalBuffer("fused", (6, 4), "float32", (
+        Piece("a", Box((0, 0), (4, 4)), Box((0, 0), (4, 4))),
+        Piece("b", Box((2, 0), (4, 4)), Box((0, 0), (4, 4))),
+    ))
+    with pytest.raises(LayoutError, match=r"buffer 'fused': piece of 'b' at \[2:6, 0:4\] overlaps piece of 'a'"):
+        make_plan(src, _lay(two, (fused,)))
+
+
+def test_error_padding_overlaps_piece():
+    buf = LocalBuffer("w", (9, 4), "float32", (Piece("w", Box((0, 0), (8, 4)), Box((0, 0), (8, 4))),),
+                      (Box((7, 0), (2, 4)),))
+    with pytest.raises(LayoutError, match=r"buffer 'w': (padding .* overlaps piece of 'w'|piece of 'w' .* overlaps padding)"):
+        make_plan(FULL_W, _lay(W, (buf,)))
+
+
+def test_error_destination_buffer_gap():
+    # Rows 8..9 are neither a piece nor padding (only row 9 is declared padding).
+    buf = LocalBuffer("w", (10, 4), "float32", (Piece("w", Box((0, 0), (8, 4)), Box((0, 0), (8, 4))),),
+                      (Box((9, 0), (1, 4)),))
+    with pytest.raises(LayoutError, match=r"destination rank 0 buffer 'w': 4 of 40 elements are neither a piece "
+                                          r"nor declared padding \(coverage gap\)"):
+        make_plan(FULL_W, _lay(W, (buf,)))
+
+
+def test_error_shape_mismatch():
+    w2 = {"w": TensorSpec("w", (8, 5), "float32")}
+    with pytest.raises(LayoutError, match=r"tensor 'w': shape mismatch, source \[8, 4\] vs destination \[8, 5\]"):
+        make_plan(FULL_W, _lay(w2, (_one("w", (8, 5)),)))
+
+
+def test_error_dtype_mismatch_between_layouts():
+    wb = {"w": TensorSpec("w", (8, 4), "bfloat16")}
+    with pytest.raises(LayoutError, match=r"tensor 'w': dtype mismatch, source float32 vs destination bfloat16"):
+        make_plan(FULL_W, _lay(wb, (_one("w", (8, 4), "bfloat16"),)))
+
+
+def test_error_dtype_mismatch_buffer_without_cast():
+    with pytest.raises(LayoutError, match=r"tensor 'w': destination rank 0 buffer 'w' holds it as bfloat16 .*dtype mismatch"):
+        make_plan(FULL_W, _lay(W, (_one("w", (8, 4), "bfloat16"),)))
+
+
+def test_error_unknown_tensor_name():
+    both = {**W, "x": TensorSpec("x", (2, 4), "float32")}
+    with pytest.raises(LayoutError, match=r"tensor 'x': the destination needs it but the source layout has no such "
+                                          r"tensor \(unknown name\)"):
+        make_plan(FULL_W, _lay(both, (_one("w", (8, 4)), _one("x", (2, 4)))))
+
+
+def test_error_piece_names_tensor_missing_from_its_layout():
+    bad = LocalBuffer("y", (2, 4), "float32", (Piece("y", Box((0, 0), (2, 4)), Box((0, 0), (2, 4))),))
+    with pytest.raises(LayoutError, match=r"piece names unknown tensor 'y'"):
+        make_plan(FULL_W, _lay(W, (_one("w", (8, 4)), bad)))
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_error_box_outside_tensor(side):
+    outside = _lay(W, (_one("w", (8, 4), box=Box((4, 0), (6, 4))),))
+    src, dst = (outside, FULL_W) if side == "src" else (FULL_W, outside)
+    where = "source" if side == "src" else "destination"
+    with pytest.raises(LayoutError, match=rf"tensor 'w': {where} rank 0 buffer 'w' names box \[4:10, 0:4\] outside "
+                                          r"the tensor shape \[8, 4\]"):
+        make_plan(src, dst)
+
+
+def test_error_source_boxes_partially_overlap():
+    src = _lay(W, (_one("w", (8, 4), box=Box((0, 0), (5, 4))),), (_one("w", (8, 4), box=Box((3, 0), (5, 4))),))
+    with pytest.raises(LayoutError, match=r"tensor 'w': source boxes .* overlap without being identical replicas"):
+        make_plan(src, FULL_W)
+
+
+def test_error_region_and_box_differ():
+    buf = LocalBuffer("w", (8, 4), "float32", (Piece("w", Box((0, 0), (8, 4)), Box((0, 0), (4, 4))),))
+    with pytest.raises(LayoutError, match=r"piece of 'w' region \[0:8, 0:4\] and box \[0:4, 0:4\] differ in shape"):
+        make_plan(FULL_W, _lay(W, (buf,)))
+
+
+def test_tiny_bucket_rejected():
+    with pytest.raises(ValueError, match="bucket_bytes=4095 is too small"):
+        PlanOptions(bucket_bytes=4095)
+
+
+def test_counter_sanity_of_strategies():
+    """The generator does produce fused buffers, replication, padding and gaps (a guard on the tests)."""
+    seen = Counter()
+
+    @given(sc=scenarios())
+    def probe(sc):
+        for bufs in sc.dst_desc:
+            for b in bufs:
+                seen["fused"] += len(b.items) > 1
+                seen["padding"] += b.pad_rows > 0
+        for bufs in sc.src_desc:
+            for b in bufs:
+                seen["gap"] += b.items[0][2] > 0 or b.shape[0] > sum(x[1].size[0] for x in b.items)
+        boxes = Counter((t, box) for bufs in sc.src_desc for b in bufs for t, box, _ in b.items)
+        seen["replicated"] += any(c > 1 for c in boxes.values())
+
+    probe()
+    assert all(seen[k] > 0 for k in ("fused", "padding", "gap", "replicated")), seen

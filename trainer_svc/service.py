@@ -1,0 +1,384 @@
+"""trainer_svc: the controller users talk to. It drives the update lifecycle:
+
+NEGOTIATE (layouts, validation, plan digest) -> CONNECT (reuse or open the
+session) -> TRANSFER -> VERIFY (checksums) -> COMMIT -> done; any failure or
+deadline -> ABORT on both sides. Updates requested faster than they complete
+coalesce to the newest; versions never go backwards within a run."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import subprocess
+import sys
+import time
+import uuid
+
+import grpc
+
+from reshard.common.checksum import P
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub
+from reshard.common.layout import Layout, LayoutError
+from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.rpc import Deadlines, channel, run_main, start_server, status_error, stop_server
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as rgrpc
+from reshard.proto import worker_pb2 as wpb
+from reshard.proto import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger("reshard.trainer_svc")
+
+
+def _v(v: pb.Version | None) -> str:
+    return f"{v.run}:{v.step}" if v is not None else "none"
+
+
+def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
+    tensors, ranks = {}, []
+    for c in sorted(conns, key=lambda c: c.rank):
+        part = Layout.from_bytes(c.hello.rank_layout)
+        for n, t in part.tensors.items():
+            if tensors.setdefault(n, t) != t:
+                raise LayoutError(f"tensor {n!r}: trainer rank {c.rank} declares {t.shape} {t.dtype}, another rank {tensors[n].shape} {tensors[n].dtype}")
+        ranks.append(part.ranks[0])
+    return Layout(tensors, tuple(ranks))
+
+
+class UpdateFailed(RuntimeError):
+    pass
+
+
+class TrainerController(rgrpc.TrainerServiceServicer):
+    def __init__(self, hub: WorkerHub, model: str, inference: str, run: str, store_host: str, deadlines: Deadlines,
+                 bucket_bytes: int = 0, transport: str = "gloo") -> None:
+        from torch.distributed import TCPStore
+
+        self.hub, self.model, self.inference, self.run = hub, model, inference, run
+        self.deadlines, self.bucket_bytes, self.transport = deadlines, bucket_bytes, transport
+        # The session rendezvous store; lives as long as the controller.
+        self.store = TCPStore(store_host, 0, None, True, timeout=datetime.timedelta(seconds=deadlines.update_s), wait_for_workers=False)
+        self.store_host = store_host
+        hub.on_event = self._on_event
+        hub.on_disconnect = self._on_disconnect
+        self.published: pb.Version | None = None
+        self.auto_push = True  # embedded workers: every publish(step) is pushed
+        self.committed: pb.Version | None = None
+        self.requested: tuple[pb.Version, str] | None = None
+        self.outcomes: dict[str, pb.UpdateOutcome] = {}  # by version string
+        self.history: list[pb.UpdateRecord] = []
+        self.last_error = ""
+        self.phase, self.progress_done, self.progress_total = "IDLE", {}, 0
+        self.current: pb.Version | None = None
+        self.wake = asyncio.Event()
+        self.changed = asyncio.Condition()
+        self._done: dict[int, wpb.TransferDone] = {}
+        self._update_id = ""
+        self._done_event = asyncio.Event()
+        self._session: tuple[str, tuple] | None = None
+        self._chan = channel(inference)
+        self._stub = rgrpc.InferenceServiceStub(self._chan)
+
+    # -- events ------------------------------------------------------------------------
+    def _on_event(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "published":
+            conn.version = msg.published.version
+            versions = {_v(w.version) for w in self.hub.alive()}
+            if self.hub.complete() and len(versions) == 1:
+                self.published = msg.published.version
+                if self.auto_push:
+                    self._request(msg.published.version, "reshard")
+        elif kind == "progress" and msg.progress.update_id == self._update_id:
+            self.progress_done[conn.rank] = msg.progress.bytes_done
+        elif kind == "done" and msg.done.update_id == self._update_id:
+            self._done[conn.rank] = msg.done
+            self._done_event.set()
+
+    def _on_disconnect(self, conn: WorkerConn) -> None:
+        self._done_event.set()
+
+    def _request(self, version: pb.Version, mode: str) -> None:
+        self.requested = (version, mode)
+        self.wake.set()
+
+    # -- RPCs ----------------------------------------------------------------------------
+    async def TriggerUpdate(self, req: pb.TriggerUpdateRequest, context):
+        mode = req.mode or "reshard"
+        if mode not in ("reshard", "serialized"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown mode {req.mode!r}; valid modes: reshard, serialized")
+        if req.take_step:
+            step = (self.published.step if self.published and self.published.run == self.run else 0) + 1
+            version = pb.Version(run=self.run, step=step)
+            try:
+                await self.hub.wait_complete(self.deadlines.rpc_s)
+                await self.hub.call_all(self.deadlines.update_s, step=wpb.Step(version=version))
+            except WorkerError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer workers could not take step {step}: {e}")
+            for w in self.hub.alive():
+                w.version = version
+            self.published = version
+        if self.published is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing published yet: the trainer has not called publish(step)")
+        self._request(self.published, mode)
+        return pb.TriggerUpdateReply(version=self.published)
+
+    async def WaitForVersion(self, req: pb.WaitForVersionRequest, context):
+        if not req.version.run:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WaitForVersionRequest.version.run is required")
+        deadline = time.monotonic() + (req.timeout_s or self.deadlines.update_s * 2)
+        async with self.changed:
+            while True:
+                out = self._outcome_for(req.version)
+                if out is not None:
+                    return out
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"version {_v(req.version)} not committed within {req.timeout_s or self.deadlines.update_s * 2:.0f}s")
+                try:
+                    await asyncio.wait_for(self.changed.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _outcome_for(self, v: pb.Version) -> pb.UpdateOutcome | None:
+        c = self.committed
+        if c is not None and c.run == v.run and c.step >= v.step:
+            out = pb.UpdateOutcome(ok=True, committed=c, superseded=c.step > v.step)
+            rec = self.outcomes.get(_v(c))
+            if rec is not None:
+                out.record.CopyFrom(rec.record)
+            return out
+        failed = self.outcomes.get(_v(v))
+        if failed is not None and not failed.ok:
+            return failed
+        return None
+
+    async def GetStatus(self, request, context):
+        st = pb.Status(role="trainer", model=self.model, last_error=self.last_error)
+        if self.published is not None:
+            st.version.CopyFrom(self.published)
+            st.has_version = True
+        if self.committed is not None:
+            st.committed.CopyFrom(self.committed)
+            st.has_committed = True
+        busy = self.phase not in ("IDLE", "DONE", "ABORT")
+        st.update_in_progress = busy
+        st.progress.CopyFrom(pb.UpdateProgress(phase=self.phase, bytes_done=sum(self.progress_done.values()), bytes_total=self.progress_total))
+        if self.current is not None:
+            st.progress.version.CopyFrom(self.current)
+        st.serving_state = "SERVING" if self.hub.complete() else ("DEGRADED" if self.hub.alive() else "NOT_SERVING")
+        for r in range(self.hub.world):
+            w = self.hub.workers.get(r)
+            h = pb.WorkerHealth(rank=r, state="DEAD" if w is None or not w.alive else "READY")
+            if w is not None:
+                h.pid = w.pid
+                if w.version is not None:
+                    h.version.CopyFrom(w.version)
+                    h.has_version = True
+            st.workers.append(h)
+        st.history.extend(self.history[-20:])
+        return st
+
+    # -- the update loop ---------------------------------------------------------------
+    async def runner(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if self.requested is None:
+                continue
+            version, mode = self.requested
+            self.requested = None
+            c = self.committed
+            if c is not None and c.run == version.run and c.step >= version.step:
+                continue  # already there
+            out = await self.run_update(version, mode)
+            self.outcomes[_v(version)] = out
+            if len(self.outcomes) > 1000:
+                self.outcomes.pop(next(iter(self.outcomes)))
+            async with self.changed:
+                self.changed.notify_all()
+
+    async def run_update(self, version: pb.Version, mode: str) -> pb.UpdateOutcome:
+        t0 = time.monotonic()
+        deadline = t0 + self.deadlines.update_s
+        self.current = version
+        self._update_id = uid = uuid.uuid4().hex[:12]
+        self._done, self.progress_done, self.progress_total = {}, {}, 0
+        began = False
+        record = pb.UpdateRecord(version=version, mode=mode)
+        try:
+            # NEGOTIATE
+            self.phase = "NEGOTIATE"
+            await self.hub.wait_complete(self.deadlines.rpc_s)
+            src = merge_rank_layouts(self.hub.alive())
+            try:
+                lr = await self._stub.GetLayout(pb.GetLayoutRequest(), timeout=self.deadlines.rpc_s)
+            except grpc.aio.AioRpcError as e:
+                raise UpdateFailed(f"inference at {self.inference} unreachable: {status_error(e)}") from None
+            if lr.model and self.model and lr.model != self.model:
+                log.warning("trainer model %s vs inference model %s: layouts decide compatibility", self.model, lr.model)
+            dst = Layout.from_bytes(lr.layout)
+            opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
+            loop = asyncio.get_running_loop()
+            try:
+                plan = await loop.run_in_executor(None, make_plan, src, dst, opts)
+            except LayoutError as e:
+                raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
+            self.progress_total = plan.total_bytes
+            # CONNECT: reuse the session while membership is unchanged.
+            key = (lr.fingerprint, src.fingerprint(), self.hub.generation)
+            if self._session is None or self._session[1] != key:
+                self._session = (uuid.uuid4().hex[:12], key)
+            session = pb.Session(id=self._session[0], store_host=self.store_host, store_port=self.store.port,
+                                 src_world=src.world, dst_world=dst.world, transport=self.transport)
+            self.phase = "CONNECT"
+            left = deadline - time.monotonic()
+            try:
+                await self._stub.BeginUpdate(pb.BeginUpdateRequest(
+                    update_id=uid, version=version, src_layout=src.to_bytes(), plan_digest=plan.digest, session=session,
+                    timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes), timeout=min(left, self.deadlines.rpc_s * 2))
+            except grpc.aio.AioRpcError as e:
+                raise UpdateFailed(f"inference refused the update: {e.details()}") from None
+            began = True
+            prep = wpb.Prepare(update_id=uid, version=version, src_layout=src.to_bytes(), dst_layout=lr.layout,
+                               plan_digest=plan.digest, session=session, timeout_s=deadline - time.monotonic(), mode=mode,
+                               bucket_bytes=self.bucket_bytes)
+            await self.hub.call_all(self.deadlines.rpc_s, prepare=prep)
+            # TRANSFER
+            self.phase = "TRANSFER"
+            t_transfer = time.monotonic()
+            while len(self._done) < self.hub.world:
+                failed = [d for d in self._done.values() if not d.ok]
+                if failed:
+                    raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
+                if not self.hub.complete():
+                    raise UpdateFailed("a trainer worker died during the transfer")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UpdateFailed(f"update deadline ({self.deadlines.update_s:.0f}s) passed during the transfer")
+                self._done_event.clear()
+                try:
+                    await asyncio.wait_for(self._done_event.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+            failed = [d for d in self._done.values() if not d.ok]
+            if failed:
+                raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
+            record.transfer_seconds = time.monotonic() - t_transfer
+            # VERIFY + COMMIT (on inference, all ranks or none)
+            self.phase = "VERIFY"
+            expected: dict[tuple, int] = {}
+            for d in self._done.values():
+                for c in d.checksums:
+                    k = (c.rank, c.buffer, c.piece)
+                    expected[k] = (expected.get(k, 0) + c.value) % P
+            req = pb.FinishUpdateRequest(update_id=uid)
+            for (r, b, i), v in sorted(expected.items()):
+                req.expected.add(rank=r, buffer=b, piece=i, value=v)
+            left = deadline - time.monotonic()
+            try:
+                rep = await self._stub.FinishUpdate(req, timeout=max(1.0, left + 5))
+            except grpc.aio.AioRpcError as e:
+                began = False  # inference aborted it itself
+                raise UpdateFailed(e.details()) from None
+            self.phase = "DONE"
+            self.committed = rep.committed
+            record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
+            record.bytes, record.requests_during = rep.bytes, rep.requests_during
+            record.seconds = time.monotonic() - t0
+            log.info("update %s committed in %.2fs (%s, %d bytes)", _v(version), record.seconds, mode, rep.bytes)
+            self.history.append(record)
+            return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
+        except (UpdateFailed, WorkerError, LayoutError) as e:
+            msg = str(e)
+            self.phase = "ABORT"
+            self.last_error = f"update {_v(version)}: {msg}"
+            log.error("update %s failed: %s", _v(version), msg)
+            self.hub.send_all(abort=wpb.Abort(update_id=uid, reason=msg))
+            self._session = None
+            if began:
+                try:
+                    await self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg), timeout=self.deadlines.rpc_s)
+                except grpc.aio.AioRpcError as e2:
+                    log.warning("abort on inference failed: %s", status_error(e2))
+            record.ok, record.error, record.seconds = False, msg, time.monotonic() - t0
+            self.history.append(record)
+            return pb.UpdateOutcome(ok=False, error=msg, record=record)
+        finally:
+            self.history = self.history[-100:]
+
+
+class Supervisor:
+    def __init__(self, controller: str, world: int, model: str, seed: int, run: str, layout_fault: str) -> None:
+        self.controller, self.world, self.model, self.seed, self.run, self.fault = controller, world, model, seed, run, layout_fault
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.stopping = False
+
+    def spawn(self, rank: int) -> None:
+        cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", self.controller, "--rank", str(rank),
+               "--world", str(self.world), "--model", self.model, "--seed", str(self.seed), "--run", self.run]
+        if self.fault:
+            cmd += ["--layout-fault", self.fault]
+        self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    async def run_forever(self) -> None:
+        for r in range(self.world):
+            self.spawn(r)
+        while not self.stopping:
+            await asyncio.sleep(0.5)
+            for r, p in list(self.procs.items()):
+                if p.poll() is not None and not self.stopping:
+                    log.warning("trainer worker rank %d exited with %s; restarting (it restarts from step 0)", r, p.returncode)
+                    self.spawn(r)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        t0 = time.monotonic()
+        for p in self.procs.values():
+            while p.poll() is None and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+
+
+async def serve(listen: str, workers: int, model: str, inference: str, *, seed: int = 0, run: str = "",
+                deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
+                stop: asyncio.Event, spawn_workers: bool = True) -> int:
+    deadlines = deadlines or Deadlines()
+    run = run or f"run-{uuid.uuid4().hex[:8]}"
+    hub = WorkerHub(workers, "trainer")
+    host = listen.rpartition(":")[0]
+    store_host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+    ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes)
+    ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
+
+    def register(server):
+        rgrpc.add_TrainerServiceServicer_to_server(ctl, server)
+        wgrpc.add_WorkerControlServicer_to_server(hub, server)
+        return [pb.DESCRIPTOR.services_by_name["TrainerService"].full_name,
+                wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
+
+    server, hs, port = await start_server(listen, register)
+    addr = f"{store_host}:{port}"
+    print(f"trainer_svc listening on {addr} (run {run})", file=sys.stderr, flush=True)
+    log.info("trainer_svc on %s: model %s, %d workers, inference %s, run %s", addr, model, workers, inference, run)
+    runner = asyncio.get_running_loop().create_task(ctl.runner())
+    sup = Supervisor(addr, workers, model, seed, run, layout_fault) if spawn_workers else None
+    task = asyncio.get_running_loop().create_task(sup.run_forever()) if sup else None
+    await stop.wait()
+    log.info("trainer_svc shutting down")
+    runner.cancel()
+    if sup:
+        await sup.stop()
+        task.cancel()
+    await stop_server(server, hs)
+    return 0
+
+
+def main(listen: str, workers: int, model: str, inference: str, seed: int, run: str, deadlines: Deadlines,
+         bucket_bytes: int, layout_fault: str) -> int:
+    return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
+                                       bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop))

@@ -1,0 +1,106 @@
+"""A standalone trainer worker holding a synthetic model (Megatron TP layout).
+
+When an update is triggered it takes a simulated optimizer step (every element
+changes by a pseudo-random amount, see common/synth.py) and publishes it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import threading
+
+import torch
+
+from reshard.common.models import build_layout
+from reshard.common.synth import advance_box, init_box
+from reshard.proto import worker_pb2 as wpb
+
+from .worker import TrainerWorker
+
+
+class SyntheticTrainer(TrainerWorker):
+    def __init__(self, *args, seed: int = 0, layout_fault: str = "", **kw) -> None:
+        super().__init__(*args, **kw)
+        self.seed, self.step, self.layout_fault = seed, 0, layout_fault
+        self._fill(init=True)
+
+    def _fill(self, init: bool) -> None:
+        for name, desc in self.descs.items():
+            t = self.live[name]
+            for p in desc.pieces:
+                shape = self.tensors[p.tensor].shape
+                view = t[p.region.slices()]
+                if init:
+                    init_box(view, self.seed, p.tensor, p.box.offset, shape)
+                else:
+                    advance_box(view, self.seed, p.tensor, self.step, p.box.offset, shape)
+        if self.layout_fault == "swap-kv":
+            # A deliberately wrong interleave: the first group's k and v rows trade places,
+            # while the layout still declares them in Megatron's order.
+            for name, desc in self.descs.items():
+                if name.endswith("linear_qkv.weight"):
+                    k = next(p for p in desc.pieces if ".k_proj" in p.tensor)
+                    v = next(p for p in desc.pieces if ".v_proj" in p.tensor)
+                    kk = self.live[name][k.region.slices()].clone()
+                    self.live[name][k.region.slices()].copy_(self.live[name][v.region.slices()])
+                    self.live[name][v.region.slices()].copy_(kk)
+
+    async def _on_step(self, s: wpb.Step, cid: int) -> dict:
+        if s.version.step <= self.step:
+            raise ValueError(f"step {s.version.step} does not advance step {self.step}")
+        loop = asyncio.get_running_loop()
+
+        def work() -> None:
+            if self.layout_fault == "swap-kv":
+                self._fill_swapped_back()
+            while self.step < s.version.step:
+                self.step += 1
+                self._fill(init=False)
+            self.publish(self.step, s.version.run)
+
+        await loop.run_in_executor(self._dp, work)
+        return {}
+
+    def _fill_swapped_back(self) -> None:
+        saved, self.layout_fault = self.layout_fault, ""
+        for name, desc in self.descs.items():
+            if name.endswith("linear_qkv.weight"):
+                k = next(p for p in desc.pieces if ".k_proj" in p.tensor)
+                v = next(p for p in desc.pieces if ".v_proj" in p.tensor)
+                kk = self.live[name][k.region.slices()].clone()
+                self.live[name][k.region.slices()].copy_(self.live[name][v.region.slices()])
+                self.live[name][v.region.slices()].copy_(kk)
+        self.layout_fault = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="standalone synthetic trainer worker")
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--layout-fault", default="", choices=["", "swap-kv"])
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    layout = build_layout("megatron", a.model, a.world)
+    buffers = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in layout.ranks[a.rank]}
+    worker = SyntheticTrainer(a.controller, a.rank, a.world, layout.tensors, buffers, run=a.run, model=a.model,
+                              seed=a.seed, layout_fault=a.layout_fault, snapshot=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker.start()
+    stop.wait()
+    worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""TrainerWorker: the trainer side of the worker library, embedded in a training loop.
+
+    worker = TrainerWorker("trainer-svc:50051", rank, world, tensors, buffers).start()
+    ...
+    optimizer.step()
+    handle = worker.publish(step)     # on every rank, at the same point
+    handle.wait()                     # before writing the weights again
+
+With `snapshot=True` the weights are copied at publish time (memory permitting)
+and the handle is writable at once; otherwise it becomes writable when this
+rank's transfer of that version has read them (or the update failed). The stall
+is measured (`handle.stall_seconds`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from reshard.common.layout import LocalBuffer, TensorSpec
+from reshard.common.worker import WorkerBase
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import worker_pb2 as wpb
+
+log = logging.getLogger("reshard.trainer")
+
+
+class PublishHandle:
+    """Says when the trainer may write its weights again."""
+
+    def __init__(self, version: pb.Version, writable: bool) -> None:
+        self.version = version
+        self._event = threading.Event()
+        self._t0 = time.perf_counter()
+        self.stall_seconds = 0.0
+        if writable:
+            self._event.set()
+
+    def _release(self) -> None:
+        if not self._event.is_set():
+            self.stall_seconds = time.perf_counter() - self._t0
+            self._event.set()
+
+    @property
+    def writable(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
+class TrainerWorker(WorkerBase):
+    role = "trainer"
+    side = "src"
+
+    def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
+                 buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, run: str = "", snapshot: bool = False,
+                 model: str = "", fault: dict[str, float] | None = None) -> None:
+        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault)
+        self.run_id = run
+        self.snapshot = {n: torch.empty_like(t) for n, t in self.live.items()} if snapshot else None
+        self._handles: list[PublishHandle] = []
+        self._lock = threading.Lock()
+
+    def publish(self, step: int, run: str | None = None) -> PublishHandle:
+        """Publish the current weights as version (run, step); call on every rank."""
+        version = pb.Version(run=run or self.run_id, step=step)
+        if self.snapshot is not None:
+            for n, t in self.live.items():
+                self.snapshot[n].copy_(t)
+        handle = PublishHandle(version, writable=self.snapshot is not None)
+        with self._lock:
+            if not handle.writable:
+                self._handles.append(handle)
+        self.version = version
+        self.emit(wpb.WorkerMessage(published=wpb.Published(version=version)))
+        return handle
+
+    def transfer_buffers(self) -> dict[str, torch.Tensor]:
+        return self.snapshot if self.snapshot is not None else self.live
+
+    def _release_upto(self, step: int | None) -> None:
+        with self._lock:
+            keep = []
+            for h in self._handles:
+                if step is None or h.version.step <= step:
+                    h._release()
+                else:
+                    keep.append(h)
+            self._handles = keep
+
+    async def _transfer(self, p, plan, src, dst) -> None:
+        try:
+            await super()._transfer(p, plan, src, dst)
+        finally:
+            self._release_upto(p.version.step)
+
+    def on_abort(self, update_id: str) -> None:
+        self._release_upto(None)
