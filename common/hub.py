@@ -55,6 +55,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.on_event: Callable[[WorkerConn, wpb.WorkerMessage], None] | None = None
         self.on_disconnect: Callable[[WorkerConn], None] | None = None
         self.generation = 0  # bumps whenever membership changes
+        self.stopping = False
 
     # -- the stream ------------------------------------------------------------------
     async def Attach(self, request_iterator, context):
@@ -103,7 +104,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             return
         conn.alive = False
         conn.queue.put_nowait(None)
-        log.warning("%s worker rank %d (pid %d) lost: %s", self.role, conn.rank, conn.pid, why)
+        (log.info if self.stopping else log.warning)("%s worker rank %d (pid %d) lost: %s", self.role, conn.rank, conn.pid, why)
         for fut in conn.pending.values():
             if not fut.done():
                 fut.set_exception(WorkerError(f"{self.role} worker rank {conn.rank} died ({why})"))

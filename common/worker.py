@@ -265,12 +265,15 @@ class WorkerBase:
                 self.emit(wpb.WorkerMessage(progress=wpb.Progress(update_id=p.update_id, bytes_done=done, bytes_total=total)))
 
         slow_after = int(self.fault.get("slow_after", -1))
+        slow_seconds = float(self.fault.get("slow_seconds", 0))
 
         def hook(rnd: int) -> None:
             if p.update_id in self._aborted:
                 raise TransportError(f"update {p.update_id} was aborted")
             if rnd == slow_after:
-                time.sleep(float(self.fault.get("slow_seconds", 0)))
+                if self.fault.get("once"):
+                    self.fault = {}
+                time.sleep(slow_seconds)
 
         if p.mode == "serialized":
             return baseline.run(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,

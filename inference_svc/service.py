@@ -265,7 +265,12 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         full = torch.empty(spec.shape, dtype=dt)
         covered = torch.zeros(spec.shape, dtype=torch.bool)
         version = None
-        for w in self.hub.alive():
+        sources = self.hub.alive()
+        if req.HasField("rank"):
+            sources = [w for w in sources if w.rank == req.rank]
+            if not sources:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"inference worker rank {req.rank} is not attached")
+        for w in sources:
             try:
                 pieces = await self.hub.read(w, req.tensor, self.deadlines.rpc_s)
             except WorkerError as e:
@@ -285,7 +290,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 covered[sl] = True
         if not bool(covered.all()):
             missing = int((~covered).sum())
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor {req.tensor!r}: {missing} elements are held by no live worker")
+            who = f"worker rank {req.rank}" if req.HasField("rank") else "any live worker"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor {req.tensor!r}: {missing} elements are not held by {who}")
         data = full.view(-1).view(torch.uint8).numpy().tobytes()
         for off in range(0, len(data), DUMP_CHUNK):
             chunk = pb.DumpChunk(name=req.tensor, shape=list(spec.shape), dtype=spec.dtype, offset=off,
@@ -354,6 +360,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     task = asyncio.get_running_loop().create_task(sup.run()) if sup else None
     await stop.wait()
     log.info("inference_svc shutting down")
+    hub.stopping = True
     if sup:
         await sup.stop()
         task.cancel()
@@ -361,5 +368,6 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     return 0
 
 
-def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines) -> int:
-    return run_main(lambda stop: serve(listen, workers, model, seed=seed, mode=mode, deadlines=deadlines, stop=stop))
+def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True) -> int:
+    return run_main(lambda stop: serve(listen, workers, model, seed=seed, mode=mode, deadlines=deadlines, stop=stop,
+                                       spawn_workers=spawn_workers))

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     fault = {}
     if os.environ.get("RESHARD_FAULT_RANK", "") == str(a.rank):
         fault = {"slow_after": float(os.environ.get("RESHARD_FAULT_SLOW_AFTER", "-1")),
-                 "slow_seconds": float(os.environ.get("RESHARD_FAULT_SLOW_SECONDS", "0"))}
+                 "slow_seconds": float(os.environ.get("RESHARD_FAULT_SLOW_SECONDS", "0")),
+                 "once": os.environ.get("RESHARD_FAULT_ONCE", "") == "1"}
     worker = build(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -245,10 +245,12 @@ class AbortUpdateReply(_message.Message):
     def __init__(self) -> None: ...
 
 class DumpRequest(_message.Message):
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "rank")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     tensor: str
-    def __init__(self, tensor: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, tensor: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class DumpChunk(_message.Message):
     __slots__ = ("name", "shape", "dtype", "version", "offset", "data", "total_bytes")

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
+    p.add_argument("--external-workers", action="store_true",
+                   help="start no workers: wait for --workers InferenceWorkers embedded in a serving engine to attach")
     deadlines(p)
 
     p = sub.add_parser("trainer", help="run trainer_svc with standalone synthetic workers")
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default="", help="run id (default: a fresh one; a resumed trainer starts a new run)")
     p.add_argument("--bucket-bytes", type=int, default=0, help="staging bucket size (default 16 MiB)")
     p.add_argument("--layout-fault", default="", choices=["", "swap-kv"], help=argparse.SUPPRESS)
+    p.add_argument("--external-workers", action="store_true",
+                   help="start no workers: wait for --workers TrainerWorkers embedded in a training job to attach")
     deadlines(p)
 
     p = sub.add_parser("update", help="push the trainer's latest version to inference")
@@ -82,12 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference", type=_address("inference address"), required=True)
     p.add_argument("--tensor", required=True)
     p.add_argument("--out", required=True, help="output file (torch.save of the tensor)")
+    p.add_argument("--rank", type=int, default=None, help="read from this worker only (it must hold the whole tensor)")
     p.add_argument("--timeout", type=_positive, default=60.0)
 
     p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
-    p.add_argument("--updates", type=int, default=3)
-    p.add_argument("--baseline-updates", type=int, default=1)
+    p.add_argument("--updates", type=int, default=4, help="reshard updates (the first is cold)")
+    p.add_argument("--baseline-updates", type=int, default=2, help="serialized baseline updates (the first is cold)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trainer-workers", type=int, default=2)
     p.add_argument("--inference-workers", type=int, default=4)
@@ -180,7 +185,7 @@ async def cmd_dump(a) -> int:
     async with channel(a.inference) as ch:
         stub = rgrpc.InferenceServiceStub(ch)
         try:
-            async for chunk in stub.Dump(pb.DumpRequest(tensor=a.tensor), timeout=a.timeout):
+            async for chunk in stub.Dump(pb.DumpRequest(tensor=a.tensor, rank=a.rank), timeout=a.timeout):
                 first = first or chunk
                 buf.extend(chunk.data)
         except grpc.aio.AioRpcError as e:
@@ -206,10 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "inference":
             from reshard.inference_svc.service import main as inf_main
 
-            return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl)
+            return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl, spawn_workers=not a.external_workers)
         from reshard.trainer_svc.service import main as tr_main
 
-        return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault)
+        return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
+                       spawn_workers=not a.external_workers)
     if a.command == "demo":
         from reshard.demo import run_demo
 

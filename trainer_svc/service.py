@@ -76,6 +76,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._update_id = ""
         self._done_event = asyncio.Event()
         self._session: tuple[str, tuple] | None = None
+        self._plans: dict[tuple, object] = {}
         self._chan = channel(inference)
         self._stub = rgrpc.InferenceServiceStub(self._chan)
 
@@ -221,7 +222,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
             loop = asyncio.get_running_loop()
             try:
-                plan = await loop.run_in_executor(None, make_plan, src, dst, opts)
+                key = (src.fingerprint(), lr.fingerprint, opts.bucket_bytes)
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = await loop.run_in_executor(None, make_plan, src, dst, opts)
+                    self._plans = {key: plan}
             except LayoutError as e:
                 raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
             self.progress_total = plan.total_bytes
@@ -370,6 +375,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
     task = asyncio.get_running_loop().create_task(sup.run_forever()) if sup else None
     await stop.wait()
     log.info("trainer_svc shutting down")
+    hub.stopping = True
     runner.cancel()
     if sup:
         await sup.stop()
@@ -379,6 +385,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
 
 
 def main(listen: str, workers: int, model: str, inference: str, seed: int, run: str, deadlines: Deadlines,
-         bucket_bytes: int, layout_fault: str) -> int:
+         bucket_bytes: int, layout_fault: str, spawn_workers: bool = True) -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
-                                       bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop))
+                                       bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
+                                       spawn_workers=spawn_workers))
