@@ -138,8 +138,8 @@ class Engine:
 
         def post(items: list[tuple[Message, torch.Tensor]]) -> list[Work]:
             if self.side == "src":
-                return [self.t.send(buf, self._peer(m), m.tag) for m, buf in items]
-            return [self.t.recv(buf, self._peer(m), m.tag) for m, buf in items]
+                return [self.t.send(buf[: m.wire_bytes], self._peer(m), m.tag) for m, buf in items]
+            return [self.t.recv(buf[: m.wire_bytes], self._peer(m), m.tag) for m, buf in items]
 
         if not rounds:
             return {}

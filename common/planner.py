@@ -82,6 +82,11 @@ class Message:
     def staged_bytes(self) -> int:
         return sum(_align(s.nbytes) for s in self.segments)
 
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes on the wire: the packed size, or the bare segment when either end is direct."""
+        return self.nbytes if (self.send_direct or self.recv_direct) else self.staged_bytes
+
 
 @dataclasses.dataclass(slots=True)
 class Plan:
@@ -154,6 +159,7 @@ def _split_box(size: tuple[int, ...], max_elems: int) -> list[tuple[tuple[int, .
 def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tensors: set[str] | None = None) -> Plan:
     """Plan the transfer of every destination piece (of `tensors`, or all) from the source layout."""
     options = options or PlanOptions()
+    bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
     src.validate("source", require_full_buffers=False)
     dst.validate("destination", require_full_buffers=True)
     check_compatible(src, dst, tensors)
@@ -236,15 +242,15 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
             s_contig = seg.src_dtype == seg.dst_dtype and seg.src_region.contiguous_range(src_shapes[(srank, seg.src_buffer)]) is not None
             d_contig = seg.dst_region.contiguous_range(dst_shapes[(drank, seg.dst_buffer)]) is not None
             direct = (s_contig or d_contig) and seg.nbytes >= options.direct_min_bytes
-            limit = (options.max_message_bytes if (s_contig and d_contig) else options.bucket_bytes) // isz
-            for off, size in _split_box(seg.box.size, max(1, limit if direct else options.bucket_bytes // isz)):
+            limit = (options.max_message_bytes if (s_contig and d_contig) else bucket) // isz
+            for off, size in _split_box(seg.box.size, max(1, limit if direct else bucket // isz)):
                 sub = _sub_segment(seg, off, size)
                 if direct:
                     sc = s_contig and sub.src_region.contiguous_range(src_shapes[(srank, sub.src_buffer)]) is not None
                     dc = d_contig and sub.dst_region.contiguous_range(dst_shapes[(drank, sub.dst_buffer)]) is not None
                     pair_msgs.append(([sub], sc, dc))
                     continue
-                if packed_bytes + _align(sub.nbytes) > options.bucket_bytes:
+                if packed_bytes + _align(sub.nbytes) > bucket:
                     flush()
                 packed.append(sub)
                 packed_bytes += _align(sub.nbytes)
@@ -254,7 +260,7 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
         for tag, (msegs, sd, rd) in enumerate(pair_msgs):
             nbytes = sum(s.nbytes for s in msegs)
             st = 0 if (sd and rd) else sum(_align(s.nbytes) for s in msegs)
-            if tag and (staged + st > options.bucket_bytes or total + nbytes > options.max_message_bytes):
+            if tag and (staged + st > bucket or total + nbytes > options.max_message_bytes):
                 rnd, staged, total = rnd + 1, 0, 0
             staged += st
             total += nbytes

@@ -3,9 +3,9 @@
 Every expectation here is built from how the test itself constructed the layouts
 (slicing the canonical tensors by the boxes it chose), never from plan segments;
 the plan is only read to check its structural properties (exactly-once writes,
-matched rounds, balance, determinism). Two strict xfails record known defects:
-an unaligned bucket_bytes is not an upper bound on staged bytes, and a half-direct
-message (staged send, direct receive) posts different sizes on its two ends.
+matched rounds, balance, determinism). Two regression tests pin defects found
+by these properties: an unaligned bucket_bytes must still bound staged bytes, and a
+half-direct message (staged send, direct receive) posts the same size on both ends.
 """
 
 from __future__ import annotations
@@ -403,7 +403,6 @@ def _one(name: str, shape, dtype: str = "float32", box: Box | None = None, regio
     return LocalBuffer(name, bshape, dtype, (Piece(name, Box.full(box.size), box),))
 
 
-@pytest.mark.xfail(strict=True, reason="bucket_bytes not a multiple of 64: a staged message's aligned size exceeds it")
 def test_staged_bytes_bound_with_unaligned_bucket():
     specs = {"w": TensorSpec("w", (2000,), "float32")}
     lay = Layout(specs, ((_one("w", (2000,)),),))
@@ -432,7 +431,7 @@ class _Loopback(Transport):
 
     def recv(self, buf, peer, tag):
         sent = self.wire.pop((peer, self.rank, tag))
-        assert sent.numel() <= buf.numel(), (
+        assert sent.numel() == buf.numel(), (
             f"rank {peer} sent {sent.numel()} bytes (tag {tag}) into a {buf.numel()}-byte receive")
         buf[: sent.numel()].copy_(sent)
         return _Done()
@@ -441,9 +440,6 @@ class _Loopback(Transport):
         pass
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="half-direct message (staged send, direct receive): the sender posts staged_bytes "
-                          "(aligned to 64) but the receiver posts nbytes; gloo aborts the receiving process")
 def test_engine_half_direct_message_sizes_match():
     specs = {"w": TensorSpec("w", (3, 7), "float32")}
     # The source holds w in the first 7 of 8 columns (non-contiguous); the destination holds it whole.

@@ -1,0 +1,148 @@
+"""Real services in real processes, driven through the CLI, for integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from reshard.common.models import model_config
+from reshard.common.synth import tensor_value
+
+CHECKPOINT_STEP = 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"reshard {' '.join(args)} exited {r.returncode}: {r.stderr}")
+    return r
+
+
+class Cluster:
+    """One inference_svc and one trainer_svc with standalone synthetic workers."""
+
+    def __init__(self, model: str = "small", *, inference_workers: int = 4, trainer_workers: int = 2,
+                 trainer_model: str | None = None, update_timeout: float = 60, bucket_bytes: int = 0,
+                 inference_env: dict | None = None, inference_mode: str = "shadow", layout_fault: str = "", seed: int = 0):
+        self.model, self.seed = model, seed
+        self.inf = f"127.0.0.1:{free_port()}"
+        self.tr = f"127.0.0.1:{free_port()}"
+        self.logdir = tempfile.mkdtemp(prefix="reshard-it-")
+        env = dict(os.environ, RESHARD_LOG_LEVEL="INFO", **(inference_env or {}))
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", self.inf, "--workers", str(inference_workers),
+                              "--model", model, "--seed", str(seed), "--mode", inference_mode, "--update-timeout", str(update_timeout)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=open(f"{self.logdir}/inference.log", "w"), start_new_session=True),
+        ]
+        tr = [sys.executable, "-m", "reshard.cli", "trainer", "--listen", self.tr, "--workers", str(trainer_workers),
+              "--model", trainer_model or model, "--inference", self.inf, "--seed", str(seed), "--run", "run1",
+              "--update-timeout", str(update_timeout)]
+        if bucket_bytes:
+            tr += ["--bucket-bytes", str(bucket_bytes)]
+        if layout_fault:
+            tr += ["--layout-fault", layout_fault]
+        self.procs.append(subprocess.Popen(tr, env=dict(os.environ, RESHARD_LOG_LEVEL="INFO"), stdout=subprocess.DEVNULL,
+                                           stderr=open(f"{self.logdir}/trainer.log", "w"), start_new_session=True))
+        self.wait_serving()
+
+    def logs(self) -> str:
+        out = []
+        for name in ("inference", "trainer"):
+            with open(f"{self.logdir}/{name}.log") as f:
+                out.append(f"--- {name} ---\n" + f.read()[-6000:])
+        return "\n".join(out)
+
+    def status(self, side: str = "inference") -> dict:
+        r = cli("status", f"--{side}", self.inf if side == "inference" else self.tr, "--json", timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr)
+        return json.loads(r.stdout)
+
+    def wait_for(self, pred, timeout: float = 90, side: str = "inference", what: str = "condition") -> dict:
+        t0 = time.monotonic()
+        last = None
+        while time.monotonic() - t0 < timeout:
+            try:
+                last = self.status(side)
+                if pred(last):
+                    return last
+            except RuntimeError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; last status {last}\n{self.logs()}")
+
+    def wait_serving(self) -> None:
+        self.wait_for(lambda s: s["serving_state"] == "SERVING", what="inference SERVING")
+        self.wait_for(lambda s: s["serving_state"] == "SERVING", side="trainer", what="trainer workers attached")
+
+    def update(self, *extra: str, timeout: float = 120) -> tuple[int, dict | None, str]:
+        r = cli("update", "--trainer", self.tr, "--wait", "--json", *extra, timeout=timeout)
+        try:
+            out = json.loads(r.stdout) if r.stdout.strip() else None
+        except ValueError:
+            out = None
+        return r.returncode, out, r.stderr
+
+    def dump(self, tensor: str, rank: int | None = None) -> tuple[torch.Tensor, dict]:
+        with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+            args = ["dump", "--inference", self.inf, "--tensor", tensor, "--out", f.name]
+            if rank is not None:
+                args += ["--rank", str(rank)]
+            cli(*args, check=True, timeout=60)
+            d = torch.load(f.name)
+        return d["tensor"], d["version"]
+
+    def expected(self, tensor: str, step: int) -> torch.Tensor:
+        spec = model_config(self.model).tensors()[tensor]
+        return tensor_value(self.seed, tensor, step, spec.shape, torch.bfloat16)
+
+    def worker_pid(self, rank: int) -> int:
+        st = self.status()
+        return int(next(w for w in st["workers"] if w["rank"] == rank)["pid"])
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for p in self.procs:  # anything the services left behind
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# Tensors checked after every update: fused and interleaved on the trainer, fused on
+# inference, replicated KV heads, padded vocabulary, replicated norms.
+CHECKED = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.1.self_attn.v_proj.weight",
+    "model.layers.2.mlp.gate_proj.weight",
+    "model.layers.3.mlp.up_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.norm.weight",
+    "model.layers.2.input_layernorm.weight",
+]
