@@ -62,6 +62,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
         self.published: pb.Version | None = None
+        self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
         self.committed: pb.Version | None = None
         self.requested: tuple[pb.Version, str] | None = None
@@ -99,8 +100,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     def _on_disconnect(self, conn: WorkerConn) -> None:
         self._done_event.set()
 
-    def _request(self, version: pb.Version, mode: str) -> None:
-        self.requested = (version, mode)
+    def _request(self, version: pb.Version, mode: str, take_step: bool = False) -> None:
+        self.requested = (version, mode, take_step)
         self.wake.set()
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -109,16 +110,13 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         if mode not in ("reshard", "serialized"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown mode {req.mode!r}; valid modes: reshard, serialized")
         if req.take_step:
-            step = (self.published.step if self.published and self.published.run == self.run else 0) + 1
-            version = pb.Version(run=self.run, step=step)
-            try:
-                await self.hub.wait_complete(self.deadlines.rpc_s)
-                await self.hub.call_all(self.deadlines.update_s, step=wpb.Step(version=version))
-            except WorkerError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer workers could not take step {step}: {e}")
-            for w in self.hub.alive():
-                w.version = version
-            self.published = version
+            # The step itself is taken by the update loop right before the transfer, so
+            # triggers that arrive during an update coalesce into one step to the newest.
+            base = max(self.target_step, self.published.step if self.published and self.published.run == self.run else 0)
+            self.target_step = base + 1
+            version = pb.Version(run=self.run, step=self.target_step)
+            self._request(version, mode, take_step=True)
+            return pb.TriggerUpdateReply(version=version)
         if self.published is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing published yet: the trainer has not called publish(step)")
         self._request(self.published, mode)
@@ -187,17 +185,38 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.wake.clear()
             if self.requested is None:
                 continue
-            version, mode = self.requested
+            version, mode, take_step = self.requested
             self.requested = None
             c = self.committed
             if c is not None and c.run == version.run and c.step >= version.step:
                 continue  # already there
-            out = await self.run_update(version, mode)
+            if take_step and (self.published is None or self.published.step < version.step):
+                out = await self.take_step(version)
+            else:
+                out = None
+            if out is None:
+                out = await self.run_update(version, mode)
             self.outcomes[_v(version)] = out
             if len(self.outcomes) > 1000:
                 self.outcomes.pop(next(iter(self.outcomes)))
             async with self.changed:
                 self.changed.notify_all()
+
+    async def take_step(self, version: pb.Version) -> pb.UpdateOutcome | None:
+        """Standalone workers: take the simulated optimizer step(s) up to `version` and publish it."""
+        self.phase, self.current = "STEP", version
+        try:
+            await self.hub.wait_complete(self.deadlines.rpc_s)
+            await self.hub.call_all(self.deadlines.update_s, step=wpb.Step(version=version))
+        except WorkerError as e:
+            msg = f"trainer workers could not take step {version.step}: {e}"
+            self.phase, self.last_error = "ABORT", f"update {_v(version)}: {msg}"
+            log.error("%s", msg)
+            return pb.UpdateOutcome(ok=False, error=msg, record=pb.UpdateRecord(version=version, ok=False, error=msg))
+        for w in self.hub.alive():
+            w.version = version
+        self.published = version
+        return None
 
     async def run_update(self, version: pb.Version, mode: str) -> pb.UpdateOutcome:
         t0 = time.monotonic()

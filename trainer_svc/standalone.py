@@ -49,8 +49,8 @@ class SyntheticTrainer(TrainerWorker):
                     self.live[name][v.region.slices()].copy_(kk)
 
     async def _on_step(self, s: wpb.Step, cid: int) -> dict:
-        if s.version.step <= self.step:
-            raise ValueError(f"step {s.version.step} does not advance step {self.step}")
+        if s.version.step < self.step:
+            raise ValueError(f"step {s.version.step} is behind this worker's step {self.step}")
         loop = asyncio.get_running_loop()
 
         def work() -> None:
