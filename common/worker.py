@@ -72,6 +72,7 @@ class WorkerBase:
         self._out: asyncio.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._call = None
         self._connected = threading.Event()
         self.last_error = ""
         self.requests_served = 0
@@ -89,10 +90,16 @@ class WorkerBase:
     def stop(self) -> None:
         self._stopping = True
         if self._loop and self._loop.is_running():
-            self._loop.call_soon_threadsafe(lambda: self._out and self._out.put_nowait(None))
+            self._loop.call_soon_threadsafe(self._wake_stop)
         if self._thread:
             self._thread.join(10)
         self._dp.shutdown(wait=False, cancel_futures=True)
+
+    def _wake_stop(self) -> None:
+        if self._out is not None:
+            self._out.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
 
     def _run_loop(self) -> None:
         loop = new_event_loop()
@@ -103,11 +110,16 @@ class WorkerBase:
             loop.close()
 
     async def _main(self) -> None:
+        self._out = asyncio.Queue()  # survives reconnects: nothing queued is lost
         backoff = 0.2
         while not self._stopping:
             try:
                 await self._serve_stream()
                 backoff = 0.2
+            except asyncio.CancelledError:
+                if self._stopping:
+                    break
+                raise
             except (grpc.aio.AioRpcError, OSError) as e:
                 if self._stopping:
                     break
@@ -120,15 +132,14 @@ class WorkerBase:
             backoff = min(backoff * 2, 2.0)
 
     async def _serve_stream(self) -> None:
-        self._out = asyncio.Queue()
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
                           rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values())))
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True
-        self._out.put_nowait(wpb.WorkerMessage(hello=hello))
 
         async def outgoing():
+            yield wpb.WorkerMessage(hello=hello)
             while True:
                 m = await self._out.get()
                 if m is None:
@@ -138,6 +149,7 @@ class WorkerBase:
         async with grpc.aio.insecure_channel(self.controller, options=CHANNEL_OPTIONS) as ch:
             stub = wgrpc.WorkerControlStub(ch)
             call = stub.Attach(outgoing())
+            self._call = call
             self._connected.set()
             hb = asyncio.get_running_loop().create_task(self._heartbeats())
             try:

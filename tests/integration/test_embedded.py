@@ -1,0 +1,95 @@
+"""The embedding API: TrainerWorker and InferenceWorker inside the user's own
+process (this test process), attached to real services started through the CLI."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from reshard.common.models import megatron_layout, model_config, vllm_layout
+from reshard.common.synth import tensor_value
+from reshard.inference_svc.worker import InferenceWorker
+from reshard.trainer_svc.worker import TrainerWorker
+
+from .cluster import cli, free_port
+
+pytestmark = pytest.mark.integration
+SEED = 3
+
+
+def canonical(cfg, step):
+    return {n: tensor_value(SEED, n, step, t.shape, torch.bfloat16) for n, t in cfg.tensors().items()}
+
+
+def fill(layout, rank, tensors, full):
+    for desc in layout.ranks[rank]:
+        for p in desc.pieces:
+            tensors[desc.name][p.region.slices()].copy_(full[p.tensor][p.box.slices()])
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_embedded_workers_publish_and_commit(snapshot):
+    cfg = model_config("tiny")
+    inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
+                          "--model", "tiny", "--external-workers"], stderr=subprocess.DEVNULL, start_new_session=True),
+        subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", tr, "--workers", "2",
+                          "--model", "tiny", "--inference", inf, "--external-workers", "--run", "emb"],
+                         stderr=subprocess.DEVNULL, start_new_session=True),
+    ]
+    src, dst = megatron_layout(cfg, 2), vllm_layout(cfg, 2)
+    events = []
+    trainers, inferences = [], []
+    try:
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
+            inferences.append(InferenceWorker(inf, r, 2, dst.tensors, bufs, pause=lambda r=r: events.append(("pause", r)),
+                                              resume=lambda r=r: events.append(("resume", r)),
+                                              commit_hooks=(lambda v, r=r: events.append(("commit", r, v.step)),)).start())
+        full = canonical(cfg, 1)
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
+            fill(src, r, {n: t for n, (_, t) in bufs.items()}, full)
+            trainers.append(TrainerWorker(tr, r, 2, src.tensors, bufs, run="emb", snapshot=snapshot).start())
+        for w in trainers + inferences:
+            assert w.wait_connected(60)
+        for step in (1, 2):
+            if step == 2:
+                full = canonical(cfg, 2)
+                for r, w in enumerate(trainers):
+                    fill(src, r, w.live, full)
+            handles = [w.publish(step) for w in trainers]  # every rank, at the same point
+            for h in handles:
+                assert h.wait(60), "weights never became writable"
+                assert h.writable
+            if snapshot:
+                assert all(h.stall_seconds == 0.0 for h in handles)
+            t0 = time.monotonic()
+            while any(w.version is None or w.version.step != step for w in inferences):
+                assert time.monotonic() - t0 < 60, "inference never committed"
+                time.sleep(0.05)
+            for r, w in enumerate(inferences):
+                want = {d.name: torch.full(d.shape, float("nan"), dtype=torch.bfloat16) for d in dst.ranks[r]}
+                fill(dst, r, want, full)
+                for name, t in w.live.items():
+                    keep = ~torch.isnan(want[name].float())  # padding rows are not written
+                    assert torch.equal(t[keep], want[name][keep]), f"rank {r} {name} at step {step}"
+                assert ("commit", r, step) in events
+        assert ("pause", 0) in events and ("resume", 0) in events
+        r = cli("status", "--trainer", tr, "--json", check=True)
+        assert '"committed"' in r.stdout and '"emb"' in r.stdout
+    finally:
+        for w in trainers + inferences:
+            w.stop()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
