@@ -44,6 +44,8 @@ def _limbs(chunk: torch.Tensor) -> list[torch.Tensor]:
 
 def box_checksum(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
     """Checksum of `values`, the box at `offset` (size values.shape) of a tensor of `shape`."""
+    if values.numel() == 0:
+        return 0
     if values.device.type != "cpu":
         values = values.cpu()
     if values.dim() == 0:
