@@ -23,11 +23,19 @@ def test_checksum_is_additive_over_any_split(rows, cols, cut, dtype):
 def test_checksum_sees_positions():
     t = tensor_value(2, "y", 3, (16, 32), torch.bfloat16)
     base = box_checksum(t, (0, 0), (16, 32))
-    for mutate in (lambda u: u[[1, 2]].copy_(u[[2, 1]].clone()),       # swapped rows
-                   lambda u: u[:, [3, 4]].copy_(u[:, [4, 3]].clone()),  # swapped columns
-                   lambda u: u[5, 6].add_(1.0)):                       # one changed element
+    def swap_rows(u):
+        u[[1, 2]] = u[[2, 1]].clone()
+
+    def swap_cols(u):
+        u[:, [3, 4]] = u[:, [4, 3]].clone()
+
+    def bump(u):
+        u[5, 6] += 1.0
+
+    for mutate in (swap_rows, swap_cols, bump):
         u = t.clone()
         mutate(u)
+        assert not torch.equal(u, t)
         assert box_checksum(u, (0, 0), (16, 32)) != base
     # The same values at another offset of a larger tensor give another checksum.
     assert box_checksum(t, (16, 0), (32, 32)) != base
