@@ -84,6 +84,10 @@ def test_every_command_is_a_list_the_cli_accepts(services, parsed):
 def test_a_bad_command_is_rejected():
     with pytest.raises(pytest.fail.Exception, match=r"service 'bad'.*--bogus"):
         parse_command("bad", ["inference", "--bogus"])
+    with pytest.raises(pytest.fail.Exception, match="unrecognized arguments: --bogus"):
+        parse_command("bad", ["inference", "--listen", "0.0.0.0:50052", "--bogus"])
+    with pytest.raises(pytest.fail.Exception, match="malformed trainer address"):
+        parse_command("bad", ["update", "--trainer", "trainer"])
     with pytest.raises(pytest.fail.Exception, match="service 'bad'"):
         parse_command("bad", ["trainer", "--listen", "0.0.0.0:50051"])  # --inference is required
     with pytest.raises(pytest.fail.Exception, match="list of strings"):
