@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
+from reshard.common.layout import Layout, LayoutError
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
@@ -38,6 +39,7 @@ class WorkerConn:
     busy: bool = False
     requests_served: int = 0
     requests_during_update: int = 0
+    requests_by_version: dict[str, int] = dataclasses.field(default_factory=dict)
     version: pb.Version | None = None
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -128,6 +130,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         elif kind == "heartbeat":
             conn.requests_served = msg.heartbeat.requests_served
             conn.requests_during_update = msg.heartbeat.requests_during_update
+            conn.requests_by_version = dict(msg.heartbeat.requests_by_version)
             conn.version = msg.heartbeat.version if msg.heartbeat.has_version else None
         elif self.on_event:
             self.on_event(conn, msg)
@@ -194,3 +197,16 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         if not reply.ok:
             raise WorkerError(f"{self.role} worker rank {conn.rank}: {reply.error}")
         return pieces
+
+
+def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
+    """One side's layout, assembled from the rank layouts its workers declared in their hello."""
+    tensors, ranks = {}, []
+    for c in sorted(conns, key=lambda c: c.rank):
+        part = Layout.from_bytes(c.hello.rank_layout)
+        for n, t in part.tensors.items():
+            if tensors.setdefault(n, t) != t:
+                raise LayoutError(f"tensor {n!r}: {c.hello.role} rank {c.rank} declares {list(t.shape)} {t.dtype}, "
+                                  f"another rank {list(tensors[n].shape)} {tensors[n].dtype}")
+        ranks.append(part.ranks[0])
+    return Layout(tensors, tuple(ranks))

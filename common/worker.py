@@ -77,6 +77,7 @@ class WorkerBase:
         self.last_error = ""
         self.requests_served = 0
         self.requests_during_update = 0
+        self.requests_by_version: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "WorkerBase":
@@ -164,7 +165,8 @@ class WorkerBase:
             await asyncio.sleep(0.5)
 
     def _heartbeat(self) -> wpb.WorkerMessage:
-        hb = wpb.Heartbeat(requests_served=self.requests_served, requests_during_update=self.requests_during_update)
+        hb = wpb.Heartbeat(requests_served=self.requests_served, requests_during_update=self.requests_during_update,
+                           requests_by_version=self.requests_by_version)
         if self.version is not None:
             hb.version.CopyFrom(self.version)
             hb.has_version = True

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 import sys
 import time
 
 import grpc
 
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts
+from reshard.common.supervisor import Supervisor
 from reshard.common.layout import Layout, LayoutError, dtype_of
 from reshard.common.planner import PlanOptions, make_plan
 from reshard.common.rpc import Deadlines, run_main, start_server, stop_server
@@ -27,17 +27,6 @@ from reshard.proto import worker_pb2_grpc as wgrpc
 log = logging.getLogger("reshard.inference_svc")
 
 DUMP_CHUNK = 1 << 20
-
-
-def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
-    tensors, ranks = {}, []
-    for c in sorted(conns, key=lambda c: c.rank):
-        part = Layout.from_bytes(c.hello.rank_layout)
-        for n, t in part.tensors.items():
-            if tensors.setdefault(n, t) != t:
-                raise LayoutError(f"tensor {n!r}: rank {c.rank} declares {t.shape} {t.dtype}, another rank {tensors[n].shape} {tensors[n].dtype}")
-        ranks.append(part.ranks[0])
-    return Layout(tensors, tuple(ranks))
 
 
 def _v(version: pb.Version | None) -> str:
@@ -206,6 +195,12 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             await self._abort(u, req.reason or "aborted by the trainer")
         return pb.AbortUpdateReply()
 
+    async def expire(self) -> None:
+        """Abort an update whose deadline passed without the trainer finishing or aborting it."""
+        u = self.update
+        if u is not None and u.phase not in ("DONE", "ABORT") and time.monotonic() > u.deadline + self.deadlines.rpc_s:
+            await self._abort(u, "update deadline passed without FinishUpdate (trainer gone?)")
+
     async def _fail(self, u: _Update, error: str) -> None:
         u.phase, u.error = "ABORT", u.error or error
         self.last_error = error
@@ -239,6 +234,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             h = pb.WorkerHealth(rank=r, state="DEAD" if w is None or not w.alive else "READY")
             if w is not None:
                 h.pid, h.requests_served = w.pid, w.requests_served
+                h.requests_by_version.update(w.requests_by_version)
                 if w.version is not None:
                     h.version.CopyFrom(w.version)
                     h.has_version = True
@@ -301,43 +297,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             yield chunk
 
 
-class Supervisor:
-    """Starts the standalone workers as processes and restarts any that dies."""
-
-    def __init__(self, controller: str, world: int, model: str, seed: int, mode: str) -> None:
-        self.controller, self.world, self.model, self.seed, self.mode = controller, world, model, seed, mode
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.stopping = False
-
-    def spawn(self, rank: int) -> None:
-        cmd = [sys.executable, "-m", "reshard.inference_svc.standalone", "--controller", self.controller, "--rank", str(rank),
-               "--world", str(self.world), "--model", self.model, "--seed", str(self.seed), "--mode", self.mode]
-        self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        log.info("started inference worker rank %d (pid %d)", rank, self.procs[rank].pid)
-
-    async def run(self) -> None:
-        for r in range(self.world):
-            self.spawn(r)
-        while not self.stopping:
-            await asyncio.sleep(0.5)
-            for r, p in list(self.procs.items()):
-                if p.poll() is not None and not self.stopping:
-                    log.warning("inference worker rank %d (pid %d) exited with %s; restarting", r, p.pid, p.returncode)
-                    self.spawn(r)
-
-    async def stop(self) -> None:
-        self.stopping = True
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        t0 = time.monotonic()
-        for p in self.procs.values():
-            while p.poll() is None and time.monotonic() - t0 < 5:
-                await asyncio.sleep(0.05)
-            if p.poll() is None:
-                p.kill()
-
-
 async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: str = "shadow",
                 deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True) -> int:
     deadlines = deadlines or Deadlines()
@@ -356,11 +315,22 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     addr = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
     log.info("inference_svc listening on %s (model %s, %d workers, %s mode)", addr, model, workers, mode)
     print(f"inference_svc listening on {addr}", file=sys.stderr, flush=True)
-    sup = Supervisor(addr, workers, model, seed, mode) if spawn_workers else None
+    def command(rank: int) -> list[str]:
+        return [sys.executable, "-m", "reshard.inference_svc.standalone", "--controller", addr, "--rank", str(rank),
+                "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode]
+
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await ctl.expire()
+
+    dog = asyncio.get_running_loop().create_task(watchdog())
+    sup = Supervisor("inference", workers, command) if spawn_workers else None
     task = asyncio.get_running_loop().create_task(sup.run()) if sup else None
     await stop.wait()
     log.info("inference_svc shutting down")
     hub.stopping = True
+    dog.cancel()
     if sup:
         await sup.stop()
         task.cancel()

@@ -49,9 +49,7 @@ def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: floa
                 if x is None:
                     x = torch.ones(cfg.hidden, dtype=torch.float32)
                 _ = torch.mv(w[:64].float(), x).sum().item()
-                worker.requests_served += 1
-                if worker.updating:
-                    worker.requests_during_update += 1
+                worker.record_request(version)
         stop.wait(interval)
 
 

@@ -53,9 +53,18 @@ class InferenceWorker(WorkerBase):
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[pb.Version | None]:
-        """Hold around one engine step: COMMIT waits for the step boundary. Yields the live version."""
+        """Hold around one engine step: COMMIT waits for the step boundary. Yields the live version
+        (None while NOT_SERVING)."""
         with self._serving:
             yield self.version if self.serving_ok else None
+
+    def record_request(self, version: pb.Version) -> None:
+        """Count one request served with `version` (reported per version in status)."""
+        key = f"{version.run}:{version.step}"
+        self.requests_by_version[key] = self.requests_by_version.get(key, 0) + 1
+        self.requests_served += 1
+        if self.updating:
+            self.requests_during_update += 1
 
     def _pause(self) -> None:
         self._serving.acquire()

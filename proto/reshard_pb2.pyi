@@ -15,7 +15,14 @@ class Version(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("rank", "state", "pid", "version", "has_version", "detail", "requests_served")
+    __slots__ = ("rank", "state", "pid", "version", "has_version", "detail", "requests_served", "requests_by_version")
+    class RequestsByVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +30,7 @@ class WorkerHealth(_message.Message):
     HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_BY_VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: str
     pid: int
@@ -30,7 +38,8 @@ class WorkerHealth(_message.Message):
     has_version: bool
     detail: str
     requests_served: int
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ...) -> None: ...
+    requests_by_version: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class UpdateProgress(_message.Message):
     __slots__ = ("phase", "bytes_done", "bytes_total", "version")

@@ -170,16 +170,25 @@ class Published(_message.Message):
     def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("requests_served", "version", "has_version", "requests_during_update")
+    __slots__ = ("requests_served", "version", "has_version", "requests_during_update", "requests_by_version")
+    class RequestsByVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DURING_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_BY_VERSION_FIELD_NUMBER: _ClassVar[int]
     requests_served: int
     version: _reshard_pb2.Version
     has_version: bool
     requests_during_update: int
-    def __init__(self, requests_served: _Optional[int] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., requests_during_update: _Optional[int] = ...) -> None: ...
+    requests_by_version: _containers.ScalarMap[str, int]
+    def __init__(self, requests_served: _Optional[int] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., requests_during_update: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "reply", "piece", "progress", "done", "published", "heartbeat")

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run", default="", help="run id (default: a fresh one; a resumed trainer starts a new run)")
     p.add_argument("--bucket-bytes", type=int, default=0, help="staging bucket size (default 16 MiB)")
+    p.add_argument("--store-host", default="",
+                   help="host the workers use to reach this trainer's session store (default: the --listen host, "
+                        "or 127.0.0.1 when it is a wildcard)")
     p.add_argument("--layout-fault", default="", choices=["", "swap-kv"], help=argparse.SUPPRESS)
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers: wait for --workers TrainerWorkers embedded in a training job to attach")
@@ -171,6 +174,12 @@ async def cmd_status(a) -> int:
         print(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else ""))
     if st.role == "inference":
         print(f"  requests served: {st.requests_served} ({st.requests_during_updates} during updates)")
+        by: dict[str, int] = {}
+        for w in st.workers:
+            for k, n in w.requests_by_version.items():
+                by[k] = by.get(k, 0) + n
+        if by:
+            print("  requests by version: " + ", ".join(f"{k} {n}" for k, n in sorted(by.items())))
     return 0
 
 
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
-                       spawn_workers=not a.external_workers)
+                       spawn_workers=not a.external_workers, store_host=a.store_host)
     if a.command == "demo":
         from reshard.demo import run_demo
 

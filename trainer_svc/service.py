@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import subprocess
 import sys
 import time
 import uuid
@@ -18,7 +17,8 @@ import uuid
 import grpc
 
 from reshard.common.checksum import P
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts
+from reshard.common.supervisor import Supervisor
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan
 from reshard.common.rpc import Deadlines, channel, run_main, start_server, status_error, stop_server
@@ -32,17 +32,6 @@ log = logging.getLogger("reshard.trainer_svc")
 
 def _v(v: pb.Version | None) -> str:
     return f"{v.run}:{v.step}" if v is not None else "none"
-
-
-def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
-    tensors, ranks = {}, []
-    for c in sorted(conns, key=lambda c: c.rank):
-        part = Layout.from_bytes(c.hello.rank_layout)
-        for n, t in part.tensors.items():
-            if tensors.setdefault(n, t) != t:
-                raise LayoutError(f"tensor {n!r}: trainer rank {c.rank} declares {t.shape} {t.dtype}, another rank {tensors[n].shape} {tensors[n].dtype}")
-        ranks.append(part.ranks[0])
-    return Layout(tensors, tuple(ranks))
 
 
 class UpdateFailed(RuntimeError):
@@ -332,50 +321,15 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.history = self.history[-100:]
 
 
-class Supervisor:
-    def __init__(self, controller: str, world: int, model: str, seed: int, run: str, layout_fault: str) -> None:
-        self.controller, self.world, self.model, self.seed, self.run, self.fault = controller, world, model, seed, run, layout_fault
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.stopping = False
-
-    def spawn(self, rank: int) -> None:
-        cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", self.controller, "--rank", str(rank),
-               "--world", str(self.world), "--model", self.model, "--seed", str(self.seed), "--run", self.run]
-        if self.fault:
-            cmd += ["--layout-fault", self.fault]
-        self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-    async def run_forever(self) -> None:
-        for r in range(self.world):
-            self.spawn(r)
-        while not self.stopping:
-            await asyncio.sleep(0.5)
-            for r, p in list(self.procs.items()):
-                if p.poll() is not None and not self.stopping:
-                    log.warning("trainer worker rank %d exited with %s; restarting (it restarts from step 0)", r, p.returncode)
-                    self.spawn(r)
-
-    async def stop(self) -> None:
-        self.stopping = True
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        t0 = time.monotonic()
-        for p in self.procs.values():
-            while p.poll() is None and time.monotonic() - t0 < 5:
-                await asyncio.sleep(0.05)
-            if p.poll() is None:
-                p.kill()
-
-
 async def serve(listen: str, workers: int, model: str, inference: str, *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
-                stop: asyncio.Event, spawn_workers: bool = True) -> int:
+                stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "") -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
     host = listen.rpartition(":")[0]
-    store_host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+    local = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+    store_host = store_host or local
     ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes)
     ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
 
@@ -386,12 +340,17 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
                 wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
 
     server, hs, port = await start_server(listen, register)
-    addr = f"{store_host}:{port}"
+    addr = f"{local}:{port}"
     print(f"trainer_svc listening on {addr} (run {run})", file=sys.stderr, flush=True)
     log.info("trainer_svc on %s: model %s, %d workers, inference %s, run %s", addr, model, workers, inference, run)
     runner = asyncio.get_running_loop().create_task(ctl.runner())
-    sup = Supervisor(addr, workers, model, seed, run, layout_fault) if spawn_workers else None
-    task = asyncio.get_running_loop().create_task(sup.run_forever()) if sup else None
+    def command(rank: int) -> list[str]:
+        cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", addr, "--rank", str(rank),
+               "--world", str(workers), "--model", model, "--seed", str(seed), "--run", run]
+        return cmd + (["--layout-fault", layout_fault] if layout_fault else [])
+
+    sup = Supervisor("trainer", workers, command) if spawn_workers else None
+    task = asyncio.get_running_loop().create_task(sup.run()) if sup else None
     await stop.wait()
     log.info("trainer_svc shutting down")
     hub.stopping = True
@@ -404,7 +363,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
 
 
 def main(listen: str, workers: int, model: str, inference: str, seed: int, run: str, deadlines: Deadlines,
-         bucket_bytes: int, layout_fault: str, spawn_workers: bool = True) -> int:
+         bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
-                                       spawn_workers=spawn_workers))
+                                       spawn_workers=spawn_workers, store_host=store_host))

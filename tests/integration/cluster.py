@@ -114,14 +114,17 @@ class Cluster:
         st = self.status()
         return int(next(w for w in st["workers"] if w["rank"] == rank)["pid"])
 
-    def close(self) -> None:
+    def close(self) -> list[int | None]:
+        """SIGTERM both services; returns their exit codes (None: had to be killed)."""
+        codes: list[int | None] = []
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in self.procs:
             try:
-                p.wait(20)
+                codes.append(p.wait(20))
             except subprocess.TimeoutExpired:
+                codes.append(None)
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         for p in self.procs:  # anything the services left behind
@@ -129,6 +132,13 @@ class Cluster:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        return codes
+
+    def leftover_processes(self) -> list[str]:
+        """Processes still running that were started for this cluster (workers included)."""
+        ports = (self.inf.rsplit(":", 1)[1], self.tr.rsplit(":", 1)[1])
+        r = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True)
+        return [line for line in r.stdout.splitlines() if "reshard" in line and any(f":{p} " in line + " " for p in ports)]
 
 
 # Tensors checked after every update: fused and interleaved on the trainer, fused on

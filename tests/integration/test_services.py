@@ -168,7 +168,10 @@ def test_incompatible_models_fail_before_any_transfer():
         got, version = c.dump("model.layers.1.mlp.gate_proj.weight")
         assert version["run"] == "checkpoint" and torch.equal(got, c.expected("model.layers.1.mlp.gate_proj.weight", 0))
     finally:
-        c.close()
+        codes = c.close()
+    # SIGTERM shuts both services down cleanly, workers included.
+    assert codes == [0, 0], codes
+    assert c.leftover_processes() == []
 
 
 def test_demo_json_small():

@@ -116,10 +116,11 @@ def test_update_points_at_the_trainer_service(services, parsed):
 
 
 def test_trainer_rendezvous_host_is_reachable_from_inference(services, parsed):
-    # trainer_svc hands inference workers the host of its --listen address as the TCPStore
-    # rendezvous host (a wildcard or loopback becomes 127.0.0.1): it must be the trainer's own name.
-    host, _ = parse_address(parsed["trainer"].listen)
-    assert host not in WILDCARD_OR_LOOPBACK, f"trainer --listen {parsed['trainer'].listen} is unreachable from other containers"
+    # trainer_svc hands inference workers --store-host (default: the host of its --listen address,
+    # a wildcard or loopback becoming 127.0.0.1) as the TCPStore rendezvous host: it must be a name
+    # the inference containers can reach, the trainer's own.
+    host = parsed["trainer"].store_host or parse_address(parsed["trainer"].listen)[0]
+    assert host not in WILDCARD_OR_LOOPBACK, f"trainer store host {host!r} is unreachable from other containers"
     assert host in ("trainer", services["trainer"].get("hostname"))
 
 
@@ -130,11 +131,11 @@ def test_inference_healthcheck(parsed, services):
     assert parse_address(ns.inference)[1] == parse_address(parsed["inference"].listen)[1]
 
 
-def test_trainer_healthcheck_if_any(parsed, services):
-    if "healthcheck" not in services["trainer"]:
-        pytest.skip("trainer has no healthcheck")
+def test_trainer_healthcheck(parsed, services):
+    assert "healthcheck" in services["trainer"]
     ns = parse_command("trainer healthcheck", healthcheck_argv("trainer", services["trainer"]))
-    assert ns.command == "status" and ns.trainer == parsed["trainer"].listen
+    assert ns.command == "status" and ns.trainer
+    assert parse_address(ns.trainer)[1] == parse_address(parsed["trainer"].listen)[1]
 
 
 def test_startup_order(services):
