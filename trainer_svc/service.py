@@ -98,7 +98,9 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         mode = req.mode or "reshard"
         if mode not in ("reshard", "serialized"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown mode {req.mode!r}; valid modes: reshard, serialized")
-        if req.take_step:
+        if req.take_step and self.auto_push:
+            log.info("take_step ignored: embedded trainer workers publish their own steps; pushing the latest published")
+        if req.take_step and not self.auto_push:
             # The step itself is taken by the update loop right before the transfer, so
             # triggers that arrive during an update coalesce into one step to the newest.
             base = max(self.target_step, self.published.step if self.published and self.published.run == self.run else 0)
