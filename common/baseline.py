@@ -74,7 +74,7 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
         local = [m for m in gplan.sends.get(0, [])]
         for m in local:  # rank 0's own shards: a local copy
             for seg in m.segments:
-                full[seg.dst_buffer][seg.dst_region.slices()].copy_(buffers[seg.src_buffer][seg.src_region.slices()])
+                seg.dst.view(full[seg.dst.buffer], seg.box.size).copy_(seg.src.view(buffers[seg.src.buffer], seg.box.size))
         remote = dataclasses.replace(gplan, recvs={0: [m for m in gplan.recvs.get(0, []) if m.src != 0]})
         Engine(transport, remote, "dst", 0, full, shapes, pool, deadline, checksums=False).run()
         flat = {n: t.view(-1).view(torch.uint8) for n, t in full.items()}
@@ -118,7 +118,7 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
             if start + n == spec.nbytes:  # tensor complete: keep my slices
                 whole = scratch[: spec.nbytes].view(dtype_of(spec.dtype)).view(spec.shape)
                 for bname, p in mine.get(name, ()):
-                    buffers[bname][p.region.slices()].copy_(whole[p.box.slices()])
+                    p.view(buffers[bname]).copy_(whole[p.box.slices()])
         done += size
         progress(done, total)
     return {}, done, 0.0

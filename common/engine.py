@@ -18,7 +18,7 @@ import torch
 
 from .checksum import P, box_checksum
 from .layout import Box, dtype_of
-from .planner import Message, Plan, Segment
+from .planner import Message, Plan, Segment, Side
 from .transport import Transport, TransportError, Work
 
 
@@ -36,24 +36,25 @@ class StagingPool:
         return self._buf[:nbytes]
 
 
-def _flat_bytes(t: torch.Tensor, region: Box, shape: tuple[int, ...]) -> torch.Tensor:
-    rng = region.contiguous_range(shape)
-    assert rng is not None, "direct segment over a non-contiguous region"
-    start, n = rng
-    return t.reshape(-1)[start : start + n].view(torch.uint8)
+def _flat_bytes(t: torch.Tensor, side: Side, size: tuple[int, ...]) -> torch.Tensor:
+    assert side.contiguous(size), "direct segment over a non-contiguous region"
+    n = 1
+    for d in size:
+        n *= d
+    return t.reshape(-1)[side.start : side.start + n].view(torch.uint8)
 
 
 def pack(m: Message, buffers: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     """Copy (and cast) the message's source regions into a staged uint8 buffer."""
     for seg, off in zip(m.segments, m.offsets()):
         view = out[off : off + seg.nbytes].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
-        view.copy_(buffers[seg.src_buffer][seg.src_region.slices()])
+        view.copy_(seg.src.view(buffers[seg.src.buffer], seg.box.size))
 
 
 def unpack(m: Message, buffers: dict[str, torch.Tensor], staged: torch.Tensor) -> None:
     for seg, off in zip(m.segments, m.offsets()):
         view = staged[off : off + seg.nbytes].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
-        buffers[seg.dst_buffer][seg.dst_region.slices()].copy_(view)
+        seg.dst.view(buffers[seg.dst.buffer], seg.box.size).copy_(view)
 
 
 def execute_in_memory(plan: Plan, src_buffers: list[dict[str, torch.Tensor]], dst_buffers: list[dict[str, torch.Tensor]]) -> None:
@@ -130,9 +131,9 @@ class Engine:
                 else:
                     seg = m.segments[0]
                     if self.side == "src":
-                        buf = _flat_bytes(self.buffers[seg.src_buffer], seg.src_region, tuple(self.buffers[seg.src_buffer].shape))
+                        buf = _flat_bytes(self.buffers[seg.src.buffer], seg.src, seg.box.size)
                     else:
-                        buf = _flat_bytes(self.buffers[seg.dst_buffer], seg.dst_region, tuple(self.buffers[seg.dst_buffer].shape))
+                        buf = _flat_bytes(self.buffers[seg.dst.buffer], seg.dst, seg.box.size)
                 out.append((m, buf))
             return out
 
@@ -155,7 +156,7 @@ class Engine:
                             self._sender_checksum(m.dst, seg, w)
                     else:
                         seg = m.segments[0]
-                        self._sender_checksum(m.dst, seg, self.buffers[seg.src_buffer][seg.src_region.slices()])
+                        self._sender_checksum(m.dst, seg, seg.src.view(self.buffers[seg.src.buffer], seg.box.size))
             for w in works:
                 w.wait(self._remaining())
             if self.side == "dst":
@@ -178,5 +179,5 @@ def receiver_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], 
     out: dict[PieceKey, int] = {}
     for (bname, pi) in sorted(plan.expected_pieces(rank)):
         piece = layout_pieces[(bname, pi)]
-        out[(rank, bname, pi)] = box_checksum(buffers[bname][piece.region.slices()], piece.box.offset, shapes[piece.tensor])
+        out[(rank, bname, pi)] = box_checksum(piece.view(buffers[bname]), piece.box.offset, shapes[piece.tensor])
     return out

@@ -137,16 +137,79 @@ class TensorSpec:
         return self.numel * itemsize(self.dtype)
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, s = [], 1
+    for d in reversed(shape):
+        out.append(s)
+        s *= d
+    return tuple(reversed(out))
+
+
+def flat_range_to_boxes(start: int, end: int, shape: Sequence[int]) -> list[Box]:
+    """The flat row-major range [start, end) of a tensor of `shape` as a few boxes (in order),
+    each contiguous: at most 2 * ndim - 1 of them."""
+    shape = tuple(shape)
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [Box((start,), (end - start,))] if shape else [Box((), ())]
+    inner = math.prod(shape[1:])
+    r0, c0 = divmod(start, inner)
+    r1, c1 = divmod(end, inner)
+    if r0 == r1:  # inside one row of the leading dim
+        return [Box((r0, *b.offset), (1, *b.size)) for b in flat_range_to_boxes(c0, c1, shape[1:])]
+    out = []
+    if c0:
+        out += [Box((r0, *b.offset), (1, *b.size)) for b in flat_range_to_boxes(c0, inner, shape[1:])]
+        r0 += 1
+    if r1 > r0:
+        out.append(Box((r0, *(0 for _ in shape[1:])), (r1 - r0, *shape[1:])))
+    if c1:
+        out += [Box((r1, *b.offset), (1, *b.size)) for b in flat_range_to_boxes(0, c1, shape[1:])]
+    return out
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Piece:
     """Region `region` of a local buffer holds box `box` of canonical tensor `tensor`.
 
-    `dtype` declares the dtype the buffer holds this piece in when it differs
-    from the canonical tensor's (a declared cast, done on the sender)."""
+    Normally `region` is a box of the buffer of the same shape as `box`. A *flat*
+    piece instead names the 1-D range `region` of the flattened buffer, which holds
+    `box` in row-major order (FSDP1 flat parameters, a distributed optimizer's
+    ranges): see `flat_pieces`."""
 
     tensor: str
     region: Box
     box: Box
+    flat: bool = False
+
+    def base(self, buffer_shape: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        """(flat start, strides) of this piece's box inside the flattened buffer."""
+        if self.flat:
+            return self.region.offset[0], contiguous_strides(self.box.size)
+        strides = contiguous_strides(buffer_shape)
+        return sum(o * s for o, s in zip(self.region.offset, strides)), strides
+
+    def view(self, buf: torch.Tensor) -> torch.Tensor:
+        """The piece as a view of `buf` (a contiguous tensor), shaped like its box."""
+        start, strides = self.base(buf.shape)
+        flat = buf.reshape(-1)
+        return flat.as_strided(self.box.size, strides, flat.storage_offset() + start)
+
+    def buffer_boxes(self, buffer_shape: Sequence[int]) -> list[Box]:
+        """The buffer elements this piece occupies, as boxes of the buffer."""
+        if not self.flat:
+            return [self.region]
+        return flat_range_to_boxes(self.region.offset[0], self.region.end[0], buffer_shape)
+
+
+def flat_pieces(tensor: str, shape: Sequence[int], start: int, end: int, buffer_start: int) -> list[Piece]:
+    """Pieces for the flat range [start, end) of a tensor held from `buffer_start` of a flat buffer."""
+    out, pos = [], buffer_start
+    for b in flat_range_to_boxes(start, end, shape):
+        out.append(Piece(tensor, Box((pos,), (b.numel,)), b, flat=True))
+        pos += b.numel
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,7 +260,7 @@ class Layout:
                         "name": b.name,
                         "shape": list(b.shape),
                         "dtype": b.dtype,
-                        "pieces": [[p.tensor, p.region.to_json(), p.box.to_json()] for p in b.pieces],
+                        "pieces": [[p.tensor, p.region.to_json(), p.box.to_json()] + ([1] if p.flat else []) for p in b.pieces],
                         "padding": [p.to_json() for p in b.padding],
                     }
                     for b in bufs
@@ -222,7 +285,7 @@ class Layout:
                         b["name"],
                         tuple(b["shape"]),
                         b["dtype"],
-                        tuple(Piece(t, box(r), box(x)) for t, r, x in b["pieces"]),
+                        tuple(Piece(p[0], box(p[1]), box(p[2]), bool(p[3]) if len(p) > 3 else False) for p in b["pieces"]),
                         tuple(box(p) for p in b.get("padding", [])),
                     )
                     for b in bufs
@@ -266,12 +329,21 @@ class Layout:
                     spec = self.tensors.get(p.tensor)
                     if spec is None:
                         raise LayoutError(f"{where}: piece names unknown tensor {p.tensor!r}")
-                    if p.region.size != p.box.size:
+                    if p.flat:
+                        if p.region.ndim != 1 or p.region.numel != p.box.numel:
+                            raise LayoutError(
+                                f"{where}: flat piece of {p.tensor!r} range {p.region} must be 1-D and hold "
+                                f"the {p.box.numel} elements of box {p.box}")
+                        if p.region.end[0] > buf.numel:
+                            raise LayoutError(
+                                f"{where}: flat piece of {p.tensor!r} range {p.region} lies outside the "
+                                f"buffer's {buf.numel} elements")
+                    elif p.region.size != p.box.size:
                         raise LayoutError(
                             f"{where}: piece of {p.tensor!r} region {p.region} and box {p.box} "
                             "differ in shape"
                         )
-                    if not p.region.within(buf.shape):
+                    elif not p.region.within(buf.shape):
                         raise LayoutError(
                             f"{where}: piece of {p.tensor!r} region {p.region} lies outside "
                             f"the buffer shape {list(buf.shape)}"
@@ -286,7 +358,7 @@ class Layout:
                             f"tensor {p.tensor!r}: {where} holds it as {buf.dtype} but the "
                             f"tensor is {spec.dtype} (dtype mismatch; declare a cast to allow it)"
                         )
-                    regions.append((p.region, f"piece of {p.tensor!r}"))
+                    regions += [(b, f"piece of {p.tensor!r}") for b in p.buffer_boxes(buf.shape)]
                 for pad in buf.padding:
                     if not pad.within(buf.shape):
                         raise LayoutError(f"{where}: padding {pad} lies outside the buffer")

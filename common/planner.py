@@ -21,7 +21,7 @@ import hashlib
 import math
 from collections import defaultdict
 
-from .layout import Box, Layout, LayoutError, itemsize
+from .layout import Box, Layout, LayoutError, contiguous_strides, itemsize
 
 ALIGN = 64
 
@@ -43,16 +43,45 @@ class PlanOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Side:
+    """Where one end of a segment lives: a strided view into a flattened buffer."""
+
+    buffer: str
+    start: int
+    strides: tuple[int, ...]
+
+    def shifted(self, delta: tuple[int, ...]) -> Side:
+        return Side(self.buffer, self.start + sum(d * s for d, s in zip(delta, self.strides)), self.strides)
+
+    def contiguous(self, size: tuple[int, ...]) -> bool:
+        want = contiguous_strides(size)
+        return all(n == 1 or s == w for n, s, w in zip(size, self.strides, want))
+
+    def view(self, buf, size: tuple[int, ...]):
+        flat = buf.reshape(-1)
+        return flat.as_strided(size, self.strides, flat.storage_offset() + self.start)
+
+    def __str__(self) -> str:
+        return f"{self.buffer}@{self.start}/{self.strides}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Segment:
     tensor: str
     box: Box  # in canonical coordinates
-    src_buffer: str
-    src_region: Box
-    dst_buffer: str
-    dst_region: Box
+    src: Side
+    dst: Side
     dst_piece: int  # index of the destination piece in its buffer (checksum key)
     src_dtype: str
     dst_dtype: str
+
+    @property
+    def src_buffer(self) -> str:
+        return self.src.buffer
+
+    @property
+    def dst_buffer(self) -> str:
+        return self.dst.buffer
 
     @property
     def nbytes(self) -> int:
@@ -165,11 +194,12 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     check_compatible(src, dst, tensors)
 
     # Distinct source boxes per tensor, each with the (rank, buffer, region) replicas holding it.
-    holders: dict[str, dict[Box, list[tuple[int, str, Box, str]]]] = defaultdict(lambda: defaultdict(list))
+    holders: dict[str, dict[Box, list[tuple[int, Side, str]]]] = defaultdict(lambda: defaultdict(list))
     for rank, bufs in enumerate(src.ranks):
         for buf in bufs:
             for p in buf.pieces:
-                holders[p.tensor][p.box].append((rank, buf.name, p.region, buf.dtype))
+                start, strides = p.base(buf.shape)
+                holders[p.tensor][p.box].append((rank, Side(buf.name, start, strides), buf.dtype))
     src_boxes: dict[str, list[Box]] = {}
     for name, by_box in holders.items():
         boxes = sorted(by_box, key=lambda b: (b.offset, b.size))
@@ -184,21 +214,22 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 
     # Assign every (destination piece x source box) intersection to one source replica,
     # balancing the bytes each source rank sends (largest first, least-loaded replica).
-    pending: list[tuple[int, int, str, int, Box, Box, str]] = []  # (dst, order, buffer, piece idx, box, dst region, dtype)
+    pending: list[tuple] = []  # (dst rank, order, piece idx, box, dst side, dtype, tensor, source box)
     for drank, bufs in enumerate(dst.ranks):
         for buf in bufs:
             for pi, p in enumerate(buf.pieces):
                 if tensors is not None and p.tensor not in tensors:
                     continue
                 covered = 0
+                start, strides = p.base(buf.shape)
+                base = Side(buf.name, start, strides)
                 for sbox in src_boxes.get(p.tensor, ()):
                     inter = sbox.intersect(p.box)
                     if inter is None:
                         continue
                     covered += inter.numel
                     delta = tuple(i - b for i, b in zip(inter.offset, p.box.offset))
-                    dregion = Box(tuple(r + d for r, d in zip(p.region.offset, delta)), inter.size)
-                    pending.append((drank, len(pending), buf.name, pi, inter, dregion, buf.dtype, p.tensor, sbox))
+                    pending.append((drank, len(pending), pi, inter, base.shifted(delta), buf.dtype, p.tensor, sbox))
                 if covered != p.box.numel:
                     raise LayoutError(
                         f"tensor {p.tensor!r}: destination rank {drank} buffer {buf.name!r} needs box {p.box}, "
@@ -207,26 +238,21 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 
     load: dict[int, int] = defaultdict(int)
     pair_segments: dict[tuple[int, int], list[Segment]] = defaultdict(list)
-    order = sorted(pending, key=lambda t: (-t[4].numel * itemsize(t[6]), t[0], t[1]))
-    for drank, _, dbuf, pi, inter, dregion, ddtype, tname, sbox in order:
+    order = sorted(pending, key=lambda t: (-t[3].numel * itemsize(t[5]), t[0], t[1]))
+    for drank, _, pi, inter, dside, ddtype, tname, sbox in order:
         reps = holders[tname][sbox]
         nbytes = inter.numel * itemsize(ddtype)
         # Least-loaded replica; ties broken by a rotation on the destination rank.
         best = min(range(len(reps)), key=lambda i: (load[reps[i][0]], (i - drank) % len(reps)))
-        srank, sbuf, sregion, sdtype = reps[best]
+        srank, sbase, sdtype = reps[best]
         load[srank] += nbytes
         delta = tuple(i - b for i, b in zip(inter.offset, sbox.offset))
-        sreg = Box(tuple(r + d for r, d in zip(sregion.offset, delta)), inter.size)
-        pair_segments[(srank, drank)].append(
-            Segment(tname, inter, sbuf, sreg, dbuf, dregion, pi, sdtype, ddtype)
-        )
+        pair_segments[(srank, drank)].append(Segment(tname, inter, sbase.shifted(delta), dside, pi, sdtype, ddtype))
 
-    src_shapes = {(r, b.name): b.shape for r, bufs in enumerate(src.ranks) for b in bufs}
-    dst_shapes = {(r, b.name): b.shape for r, bufs in enumerate(dst.ranks) for b in bufs}
     messages: list[Message] = []
     num_rounds = 0
     for (srank, drank) in sorted(pair_segments):
-        segs = sorted(pair_segments[(srank, drank)], key=lambda s: (s.dst_buffer, s.dst_region.offset, s.tensor))
+        segs = sorted(pair_segments[(srank, drank)], key=lambda s: (s.dst.buffer, s.dst.start, s.tensor, s.box.offset))
         pair_msgs: list[tuple[list[Segment], bool, bool]] = []
         packed: list[Segment] = []
         packed_bytes = 0
@@ -239,15 +265,15 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 
         for seg in segs:
             isz = itemsize(seg.dst_dtype)
-            s_contig = seg.src_dtype == seg.dst_dtype and seg.src_region.contiguous_range(src_shapes[(srank, seg.src_buffer)]) is not None
-            d_contig = seg.dst_region.contiguous_range(dst_shapes[(drank, seg.dst_buffer)]) is not None
+            s_contig = seg.src_dtype == seg.dst_dtype and seg.src.contiguous(seg.box.size)
+            d_contig = seg.dst.contiguous(seg.box.size)
             direct = (s_contig or d_contig) and seg.nbytes >= options.direct_min_bytes
             limit = (options.max_message_bytes if (s_contig and d_contig) else bucket) // isz
             for off, size in _split_box(seg.box.size, max(1, limit if direct else bucket // isz)):
                 sub = _sub_segment(seg, off, size)
                 if direct:
-                    sc = s_contig and sub.src_region.contiguous_range(src_shapes[(srank, sub.src_buffer)]) is not None
-                    dc = d_contig and sub.dst_region.contiguous_range(dst_shapes[(drank, sub.dst_buffer)]) is not None
+                    sc = s_contig and sub.src.contiguous(size)
+                    dc = d_contig and sub.dst.contiguous(size)
                     pair_msgs.append(([sub], sc, dc))
                     continue
                 if packed_bytes + _align(sub.nbytes) > bucket:
@@ -277,10 +303,8 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 
 
 def _sub_segment(seg: Segment, off: tuple[int, ...], size: tuple[int, ...]) -> Segment:
-    def sub(b: Box) -> Box:
-        return Box(tuple(o + d for o, d in zip(b.offset, off)), size)
-
-    return dataclasses.replace(seg, box=sub(seg.box), src_region=sub(seg.src_region), dst_region=sub(seg.dst_region))
+    box = Box(tuple(o + d for o, d in zip(seg.box.offset, off)), size)
+    return dataclasses.replace(seg, box=box, src=seg.src.shifted(off), dst=seg.dst.shifted(off))
 
 
 def _digest(src: Layout, dst: Layout, messages: list[Message]) -> str:
@@ -290,5 +314,5 @@ def _digest(src: Layout, dst: Layout, messages: list[Message]) -> str:
     for m in messages:
         h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}".encode())
         for s in m.segments:
-            h.update(f"|{s.tensor}{s.box}{s.src_buffer}{s.src_region}{s.dst_buffer}{s.dst_region}".encode())
+            h.update(f"|{s.tensor}{s.box}{s.src}{s.dst}".encode())
     return h.hexdigest()[:16]

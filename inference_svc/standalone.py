@@ -31,7 +31,7 @@ def build(controller: str, rank: int, world: int, model: str, seed: int, mode: s
     for desc in layout.ranks[rank]:
         t = torch.zeros(desc.shape, dtype=torch.bfloat16)
         for p in desc.pieces:  # the checkpoint the engine loaded at start: synthetic step 0
-            init_box(t[p.region.slices()], seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
+            init_box(p.view(t), seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
         buffers[desc.name] = (desc, t)
     return InferenceWorker(controller, rank, world, layout.tensors, buffers, mode=mode, version=CHECKPOINT,
                            model=model, fault=fault)

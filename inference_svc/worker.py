@@ -138,7 +138,7 @@ class InferenceWorker(WorkerBase):
                 for p in desc.pieces:
                     if p.tensor != r.tensor:
                         continue
-                    data = self.live[name][p.region.slices()].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    data = p.view(self.live[name]).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                     for off in range(0, max(1, len(data)), READ_CHUNK):
                         piece = wpb.ReadPiece(id=cid, offset=list(p.box.offset), size=list(p.box.size), byte_offset=off,
                                               data=data[off : off + READ_CHUNK], last=off + READ_CHUNK >= len(data))

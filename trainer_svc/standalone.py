@@ -32,7 +32,7 @@ class SyntheticTrainer(TrainerWorker):
             t = self.live[name]
             for p in desc.pieces:
                 shape = self.tensors[p.tensor].shape
-                view = t[p.region.slices()]
+                view = p.view(t)
                 if init:
                     init_box(view, self.seed, p.tensor, p.box.offset, shape)
                 else:
@@ -44,9 +44,9 @@ class SyntheticTrainer(TrainerWorker):
                 if name.endswith("linear_qkv.weight"):
                     k = next(p for p in desc.pieces if ".k_proj" in p.tensor)
                     v = next(p for p in desc.pieces if ".v_proj" in p.tensor)
-                    kk = self.live[name][k.region.slices()].clone()
-                    self.live[name][k.region.slices()].copy_(self.live[name][v.region.slices()])
-                    self.live[name][v.region.slices()].copy_(kk)
+                    kk = k.view(self.live[name]).clone()
+                    k.view(self.live[name]).copy_(v.view(self.live[name]))
+                    v.view(self.live[name]).copy_(kk)
 
     async def _on_step(self, s: wpb.Step, cid: int) -> dict:
         if s.version.step < self.step:
@@ -70,9 +70,9 @@ class SyntheticTrainer(TrainerWorker):
             if name.endswith("linear_qkv.weight"):
                 k = next(p for p in desc.pieces if ".k_proj" in p.tensor)
                 v = next(p for p in desc.pieces if ".v_proj" in p.tensor)
-                kk = self.live[name][k.region.slices()].clone()
-                self.live[name][k.region.slices()].copy_(self.live[name][v.region.slices()])
-                self.live[name][v.region.slices()].copy_(kk)
+                kk = k.view(self.live[name]).clone()
+                k.view(self.live[name]).copy_(v.view(self.live[name]))
+                v.view(self.live[name]).copy_(kk)
         self.layout_fault = saved
 
 
