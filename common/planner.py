@@ -149,6 +149,21 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def select_tensors(layout: Layout, patterns: list[str] | tuple[str, ...]) -> set[str] | None:
+    """Canonical names matching any of the patterns (names or shell-style globs); None for all."""
+    import fnmatch
+
+    if not patterns:
+        return None
+    out: set[str] = set()
+    for pat in patterns:
+        hits = {n for n in layout.tensors if fnmatch.fnmatchcase(n, pat)}
+        if not hits:
+            raise LayoutError(f"partial update: {pat!r} matches no canonical tensor of the destination")
+        out |= hits
+    return out
+
+
 def check_compatible(src: Layout, dst: Layout, tensors: set[str] | None = None) -> None:
     """Raise LayoutError naming the first mismatch between the two layouts."""
     for name in sorted(dst.tensors):
@@ -299,7 +314,7 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     for m in messages:
         sends[m.src].append(m)
         recvs[m.dst].append(m)
-    return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages), dict(sends), dict(recvs))
+    return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages, tensors), dict(sends), dict(recvs))
 
 
 def _sub_segment(seg: Segment, off: tuple[int, ...], size: tuple[int, ...]) -> Segment:
@@ -307,10 +322,11 @@ def _sub_segment(seg: Segment, off: tuple[int, ...], size: tuple[int, ...]) -> S
     return dataclasses.replace(seg, box=box, src=seg.src.shifted(off), dst=seg.dst.shifted(off))
 
 
-def _digest(src: Layout, dst: Layout, messages: list[Message]) -> str:
+def _digest(src: Layout, dst: Layout, messages: list[Message], tensors: set[str] | None = None) -> str:
     h = hashlib.sha256()
     h.update(src.fingerprint().encode())
     h.update(dst.fingerprint().encode())
+    h.update(("*" if tensors is None else ",".join(sorted(tensors))).encode())
     for m in messages:
         h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}".encode())
         for s in m.segments:

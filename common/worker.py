@@ -216,11 +216,14 @@ class WorkerBase:
         loop = asyncio.get_running_loop()
         src, dst = Layout.from_bytes(p.src_layout), Layout.from_bytes(p.dst_layout)
         opts = PlanOptions(bucket_bytes=p.bucket_bytes) if p.bucket_bytes else PlanOptions()
-        key = (src.fingerprint(), dst.fingerprint(), p.mode, opts.bucket_bytes)
+        subset = set(p.tensors) if p.tensors else None
+        key = (src.fingerprint(), dst.fingerprint(), p.mode, opts.bucket_bytes, tuple(sorted(subset or ())))
         plan = self._plans.get(key)
         if plan is None:
-            plan = await loop.run_in_executor(None, make_plan, src, dst, opts)
+            plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
             self._plans = {key: plan}
+        if p.mode == "serialized" and subset is not None:
+            raise LayoutError("the serialized baseline moves whole models: it takes no partial updates")
         if p.mode != "serialized" and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
         self.before_transfer(p)

@@ -46,6 +46,7 @@ class _Update:
         self.changed = asyncio.Event()
         self.world = world
         self.requests_at_start = 0
+        self.tensors = 0
 
 
 class InferenceController(rgrpc.InferenceServiceServicer):
@@ -130,7 +131,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 dst = self.layout()
                 src = Layout.from_bytes(req.src_layout)
                 opts = PlanOptions(bucket_bytes=req.bucket_bytes) if req.bucket_bytes else PlanOptions()
-                plan = await asyncio.get_running_loop().run_in_executor(None, make_plan, src, dst, opts)
+                subset = set(req.tensors) if req.tensors else None
+                plan = await asyncio.get_running_loop().run_in_executor(None, make_plan, src, dst, opts, subset)
+                u.tensors = len(subset) if subset else len(dst.tensors)
                 if plan.digest != req.plan_digest:
                     raise LayoutError(f"plan digest mismatch: trainer {req.plan_digest}, inference {plan.digest}")
                 u.bytes_total = plan.total_bytes
@@ -138,7 +141,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.requests_at_start = sum(w.requests_served for w in self.hub.alive())
                 prep = wpb.Prepare(update_id=u.id, version=req.version, src_layout=req.src_layout, dst_layout=dst.to_bytes(),
                                    plan_digest=plan.digest, session=req.session, timeout_s=req.timeout_s, mode=u.mode,
-                                   bucket_bytes=req.bucket_bytes)
+                                   bucket_bytes=req.bucket_bytes, tensors=req.tensors)
                 await self.hub.call_all(self.deadlines.rpc_s, prepare=prep)
                 u.phase = "TRANSFER"
             except LayoutError as e:
@@ -184,7 +187,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         nbytes = sum(d.bytes for d in u.done.values())
         during = sum(w.requests_served for w in self.hub.alive()) - u.requests_at_start
         self.history.append(pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes,
-                                            verified=True, verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during)))
+                                            verified=True, verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during),
+                                            tensors=u.tensors))
         self.history = self.history[-100:]
         log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
         return pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during))

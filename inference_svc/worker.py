@@ -89,7 +89,15 @@ class InferenceWorker(WorkerBase):
     def on_abort(self, update_id: str) -> None:
         if self.updating and self.mode == "inplace":
             self._resume()  # serving_ok stays False: NOT_SERVING until a full update
+        if self.updating and self.shadow is not None:
+            # The shadow may hold part of the failed version: bring it back to the live weights,
+            # so a later partial update commits the untouched tensors unchanged.
+            self._dp.submit(self._resync_shadow)
         self.updating = False
+
+    def _resync_shadow(self) -> None:
+        for n, t in self.live.items():
+            self.shadow[n].copy_(t)
 
     async def _on_verify(self, v: wpb.Verify, cid: int) -> dict:
         plan, dst = self.current_plan(), self._dst

@@ -54,7 +54,7 @@ class UpdateProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class UpdateRecord(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     version: Version
     ok: bool
     seconds: float
@@ -75,7 +76,8 @@ class UpdateRecord(_message.Message):
     transfer_seconds: float
     mode: str
     requests_during: int
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ...) -> None: ...
+    tensors: int
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -116,12 +118,14 @@ class Status(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class TriggerUpdateRequest(_message.Message):
-    __slots__ = ("take_step", "mode")
+    __slots__ = ("take_step", "mode", "tensors")
     TAKE_STEP_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     take_step: bool
     mode: str
-    def __init__(self, take_step: _Optional[bool] = ..., mode: _Optional[str] = ...) -> None: ...
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, take_step: _Optional[bool] = ..., mode: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TriggerUpdateReply(_message.Message):
     __slots__ = ("version",)
@@ -184,7 +188,7 @@ class Session(_message.Message):
     def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes")
+    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +197,7 @@ class BeginUpdateRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     version: Version
     src_layout: bytes
@@ -201,7 +206,8 @@ class BeginUpdateRequest(_message.Message):
     timeout_s: float
     mode: str
     bucket_bytes: int
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginUpdateReply(_message.Message):
     __slots__ = ("bytes_total",)

@@ -28,7 +28,7 @@ class Hello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Prepare(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes")
+    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Prepare(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     version: _reshard_pb2.Version
     src_layout: bytes
@@ -47,7 +48,8 @@ class Prepare(_message.Message):
     timeout_s: float
     mode: str
     bucket_bytes: int
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("update_id", "expected")

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--mode", choices=["reshard", "serialized"], default="reshard")
     p.add_argument("--no-step", action="store_true", help="push what is published without a simulated step")
+    p.add_argument("--tensors", default="",
+                   help="a partial update: comma-separated canonical names or patterns (e.g. 'model.layers.*.mlp.*'); "
+                        "the others keep their committed values")
     p.add_argument("--timeout", type=_positive, default=300.0)
 
     p = sub.add_parser("status", help="what a service serves, its update in progress, workers, errors")
@@ -119,7 +122,9 @@ async def cmd_update(a) -> int:
     async with channel(a.trainer) as ch:
         stub = rgrpc.TrainerServiceStub(ch)
         try:
-            rep = await stub.TriggerUpdate(pb.TriggerUpdateRequest(take_step=not a.no_step, mode=a.mode), timeout=a.timeout)
+            tensors = [t.strip() for t in a.tensors.split(",") if t.strip()]
+            rep = await stub.TriggerUpdate(pb.TriggerUpdateRequest(take_step=not a.no_step, mode=a.mode, tensors=tensors),
+                                           timeout=a.timeout)
         except grpc.aio.AioRpcError as e:
             print(f"update failed: {status_error(e)}", file=sys.stderr)
             return 2

@@ -20,7 +20,7 @@ from reshard.common.checksum import P
 from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts
 from reshard.common.supervisor import Supervisor
 from reshard.common.layout import Layout, LayoutError
-from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.planner import PlanOptions, make_plan, select_tensors
 from reshard.common.rpc import Deadlines, channel, run_main, start_server, status_error, stop_server
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -54,7 +54,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
         self.committed: pb.Version | None = None
-        self.requested: tuple[pb.Version, str] | None = None
+        self.requested: tuple | None = None  # (version, mode, take_step, tensor patterns or None)
         self.outcomes: dict[str, pb.UpdateOutcome] = {}  # by version string
         self.history: list[pb.UpdateRecord] = []
         self.last_error = ""
@@ -89,8 +89,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     def _on_disconnect(self, conn: WorkerConn) -> None:
         self._done_event.set()
 
-    def _request(self, version: pb.Version, mode: str, take_step: bool = False) -> None:
-        self.requested = (version, mode, take_step)
+    def _request(self, version: pb.Version, mode: str, take_step: bool = False, tensors: tuple[str, ...] = ()) -> None:
+        """Ask for an update; one not yet started is replaced by the newest (a partial one widened to
+        the union of what both asked for, so nothing requested is lost)."""
+        patterns: frozenset[str] | None = frozenset(tensors) if tensors else None
+        if self.requested is not None:
+            old = self.requested[3]
+            patterns = None if patterns is None or old is None else patterns | old
+        self.requested = (version, mode, take_step, patterns)
         self.wake.set()
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -106,11 +112,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             base = max(self.target_step, self.published.step if self.published and self.published.run == self.run else 0)
             self.target_step = base + 1
             version = pb.Version(run=self.run, step=self.target_step)
-            self._request(version, mode, take_step=True)
+            self._request(version, mode, take_step=True, tensors=tuple(req.tensors))
             return pb.TriggerUpdateReply(version=version)
         if self.published is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing published yet: the trainer has not called publish(step)")
-        self._request(self.published, mode)
+        self._request(self.published, mode, tensors=tuple(req.tensors))
         return pb.TriggerUpdateReply(version=self.published)
 
     async def WaitForVersion(self, req: pb.WaitForVersionRequest, context):
@@ -176,7 +182,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.wake.clear()
             if self.requested is None:
                 continue
-            version, mode, take_step = self.requested
+            version, mode, take_step, patterns = self.requested
             self.requested = None
             c = self.committed
             if c is not None and c.run == version.run and c.step >= version.step:
@@ -186,7 +192,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             else:
                 out = None
             if out is None:
-                out = await self.run_update(version, mode)
+                out = await self.run_update(version, mode, tuple(sorted(patterns)) if patterns else ())
             self.outcomes[_v(version)] = out
             if len(self.outcomes) > 1000:
                 self.outcomes.pop(next(iter(self.outcomes)))
@@ -209,7 +215,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.published = version
         return None
 
-    async def run_update(self, version: pb.Version, mode: str) -> pb.UpdateOutcome:
+    async def run_update(self, version: pb.Version, mode: str, patterns: tuple[str, ...] = ()) -> pb.UpdateOutcome:
         t0 = time.monotonic()
         deadline = t0 + self.deadlines.update_s
         self.current = version
@@ -232,10 +238,15 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
             loop = asyncio.get_running_loop()
             try:
-                key = (src.fingerprint(), lr.fingerprint, opts.bucket_bytes)
+                subset = select_tensors(dst, patterns)
+            except LayoutError as e:
+                raise UpdateFailed(str(e)) from None
+            try:
+                names = sorted(subset) if subset is not None else []
+                key = (src.fingerprint(), lr.fingerprint, opts.bucket_bytes, tuple(names))
                 plan = self._plans.get(key)
                 if plan is None:
-                    plan = await loop.run_in_executor(None, make_plan, src, dst, opts)
+                    plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
                     self._plans = {key: plan}
             except LayoutError as e:
                 raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
@@ -251,13 +262,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             try:
                 await self._stub.BeginUpdate(pb.BeginUpdateRequest(
                     update_id=uid, version=version, src_layout=src.to_bytes(), plan_digest=plan.digest, session=session,
-                    timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes), timeout=min(left, self.deadlines.rpc_s * 2))
+                    timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes, tensors=names),
+                    timeout=min(left, self.deadlines.rpc_s * 2))
             except grpc.aio.AioRpcError as e:
                 raise UpdateFailed(f"inference refused the update: {e.details()}") from None
             began = True
             prep = wpb.Prepare(update_id=uid, version=version, src_layout=src.to_bytes(), dst_layout=lr.layout,
                                plan_digest=plan.digest, session=session, timeout_s=deadline - time.monotonic(), mode=mode,
-                               bucket_bytes=self.bucket_bytes)
+                               bucket_bytes=self.bucket_bytes, tensors=names)
             await self.hub.call_all(self.deadlines.rpc_s, prepare=prep)
             # TRANSFER
             self.phase = "TRANSFER"
@@ -300,6 +312,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.committed = rep.committed
             record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
             record.bytes, record.requests_during = rep.bytes, rep.requests_during
+            record.tensors = len(names) if names else len(dst.tensors)
             record.seconds = time.monotonic() - t0
             log.info("update %s committed in %.2fs (%s, %d bytes)", _v(version), record.seconds, mode, rep.bytes)
             self.history.append(record)

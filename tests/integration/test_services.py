@@ -86,6 +86,28 @@ def test_triggers_during_an_update_coalesce(cluster):
     check_all(cluster, newest)
 
 
+def test_partial_update_keeps_untouched_tensors(cluster):
+    before = int(cluster.status("trainer")["committed"]["step"])
+    rc, out, err = cluster.update("--tensors", "model.layers.0.*,lm_head.weight")
+    assert rc == 0, err
+    step = out["committed"]["step"]
+    assert step == before + 1
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        got, version = cluster.dump(name)
+        assert torch.equal(got, cluster.expected(name, step)), name
+        assert version["step"] == step
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        got, _ = cluster.dump(name)
+        assert torch.equal(got, cluster.expected(name, before)), f"{name} should keep step {before}"
+    rec = cluster.status("trainer")["history"][-1]
+    assert rec["ok"] and int(rec["tensors"]) == 9 + 1  # one layer's 9 tensors and lm_head
+    rc, out, err = cluster.update("--tensors", "model.layers.99.*")
+    assert rc != 0 and "matches no canonical tensor" in ((out or {}).get("error", "") + err)
+    rc, out, err = cluster.update()
+    assert rc == 0, err
+    check_all(cluster, out["committed"]["step"])
+
+
 def test_bad_requests_get_clear_status_codes(cluster):
     r = cli("dump", "--inference", cluster.inf, "--tensor", "model.layers.0.self_attn.nope", "--out", "/tmp/x.pt")
     assert r.returncode != 0 and "NOT_FOUND" in r.stderr and "unknown tensor" in r.stderr
