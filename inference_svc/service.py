@@ -301,7 +301,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             yield chunk
 
 
-async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: str = "shadow",
+async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: str = "shadow", layout: str = "",
                 deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True) -> int:
     deadlines = deadlines or Deadlines()
     hub = WorkerHub(workers, "inference")
@@ -321,7 +321,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     print(f"inference_svc listening on {addr}", file=sys.stderr, flush=True)
     def command(rank: int) -> list[str]:
         return [sys.executable, "-m", "reshard.inference_svc.standalone", "--controller", addr, "--rank", str(rank),
-                "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode]
+                "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode] + (["--layout", layout] if layout else [])
 
     async def watchdog() -> None:
         while True:
@@ -342,6 +342,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     return 0
 
 
-def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True) -> int:
+def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True,
+         layout: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, seed=seed, mode=mode, deadlines=deadlines, stop=stop,
-                                       spawn_workers=spawn_workers))
+                                       spawn_workers=spawn_workers, layout=layout))

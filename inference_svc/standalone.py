@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from reshard.common.models import build_layout, model_config
+from reshard.common.frameworks import build
+from reshard.common.layout import dtype_of
 from reshard.common.synth import init_box
 from reshard.proto import reshard_pb2 as pb
 
@@ -25,11 +26,14 @@ from .worker import InferenceWorker
 CHECKPOINT = pb.Version(run="checkpoint", step=0)
 
 
-def build(controller: str, rank: int, world: int, model: str, seed: int, mode: str, fault: dict) -> InferenceWorker:
-    layout = build_layout("vllm", model, world)
+def make_worker(controller: str, rank: int, world: int, model: str, seed: int, mode: str, fault: dict,
+                layout_spec: str = "") -> InferenceWorker:
+    layout = build(model, layout_spec or f"framework=vllm,tp={world}")
+    if layout.world != world:
+        raise SystemExit(f"layout {layout_spec!r} has {layout.world} ranks, not {world}")
     buffers = {}
     for desc in layout.ranks[rank]:
-        t = torch.zeros(desc.shape, dtype=torch.bfloat16)
+        t = torch.zeros(desc.shape, dtype=dtype_of(desc.dtype))
         for p in desc.pieces:  # the checkpoint the engine loaded at start: synthetic step 0
             init_box(p.view(t), seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
         buffers[desc.name] = (desc, t)
@@ -39,15 +43,12 @@ def build(controller: str, rank: int, world: int, model: str, seed: int, mode: s
 
 def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: float = 0.01) -> None:
     """The synthetic serving loop: one small request every `interval` seconds."""
-    x = None
-    cfg = model_config(worker.model)
-    name = "model.layers.0.self_attn.qkv_proj.weight"
+    # A small matrix-vector product over the first rows of this rank's first 2-D buffer.
+    w = next(t for t in worker.live.values() if t.dim() >= 2).flatten(1)
+    x = torch.ones(w.shape[1], dtype=torch.float32)
     while not stop.is_set():
         with worker.serving() as version:
             if version is not None:
-                w = worker.live[name]
-                if x is None:
-                    x = torch.ones(cfg.hidden, dtype=torch.float32)
                 _ = torch.mv(w[:64].float(), x).sum().item()
                 worker.record_request(version)
         stop.wait(interval)
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
+    ap.add_argument("--layout", default="", help="layout spec, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all ranks)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         fault = {"slow_after": float(os.environ.get("RESHARD_FAULT_SLOW_AFTER", "-1")),
                  "slow_seconds": float(os.environ.get("RESHARD_FAULT_SLOW_SECONDS", "0")),
                  "once": os.environ.get("RESHARD_FAULT_ONCE", "") == "1"}
-    worker = build(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault)
+    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault, a.layout)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

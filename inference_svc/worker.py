@@ -142,10 +142,12 @@ class InferenceWorker(WorkerBase):
             return {}
         with self._serving:
             version = self.version
+            seen = set()  # a tied tensor is held by two buffers: send each box once
             for name, desc in self.descs.items():
                 for p in desc.pieces:
-                    if p.tensor != r.tensor:
+                    if p.tensor != r.tensor or p.box in seen:
                         continue
+                    seen.add(p.box)
                     data = p.view(self.live[name]).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                     for off in range(0, max(1, len(data)), READ_CHUNK):
                         piece = wpb.ReadPiece(id=cid, offset=list(p.box.offset), size=list(p.box.size), byte_offset=off,

@@ -27,6 +27,17 @@ def _address(what: str):
     return parse
 
 
+def _layout_spec(s: str) -> str:
+    from reshard.common.frameworks import parse_spec
+
+    if s:
+        try:
+            parse_spec(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def _positive(s: str) -> float:
     v = float(s)
     if v <= 0:
@@ -46,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = sorted(MODELS)
     p = sub.add_parser("inference", help="run inference_svc with standalone synthetic workers")
     p.add_argument("--listen", type=_address("listen address"), required=True)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=None, help="workers (default: the layout's ranks, or 4)")
+    p.add_argument("--layout", type=_layout_spec, default="",
+                   help="standalone workers' layout, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all workers)")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
@@ -56,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trainer", help="run trainer_svc with standalone synthetic workers")
     p.add_argument("--listen", type=_address("listen address"), required=True)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=None, help="workers (default: the layout's ranks, or 2)")
+    p.add_argument("--layout", type=_layout_spec, default="",
+                   help="standalone workers' layout, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all workers)")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--inference", type=_address("inference address"), required=True)
     p.add_argument("--seed", type=int, default=0)
@@ -218,18 +233,27 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.command in ("inference", "trainer"):
+        from reshard.common.frameworks import world_of
+
+        layout_world = world_of(a.layout) if a.layout else None
+        if a.workers is None:
+            a.workers = layout_world or (4 if a.command == "inference" else 2)
         if a.workers < 1:
             print("--workers must be at least 1", file=sys.stderr)
+            return 2
+        if layout_world is not None and layout_world != a.workers:
+            print(f"--layout {a.layout} has {layout_world} ranks but --workers is {a.workers}", file=sys.stderr)
             return 2
         dl = Deadlines(rpc_s=a.rpc_timeout, update_s=a.update_timeout)
         if a.command == "inference":
             from reshard.inference_svc.service import main as inf_main
 
-            return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl, spawn_workers=not a.external_workers)
+            return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl, spawn_workers=not a.external_workers,
+                            layout=a.layout)
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
-                       spawn_workers=not a.external_workers, store_host=a.store_host)
+                       spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout)
     if a.command == "demo":
         from reshard.demo import run_demo
 

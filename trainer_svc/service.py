@@ -338,7 +338,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 
 async def serve(listen: str, workers: int, model: str, inference: str, *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
-                stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "") -> int:
+                stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "") -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
@@ -362,7 +362,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
     def command(rank: int) -> list[str]:
         cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", addr, "--rank", str(rank),
                "--world", str(workers), "--model", model, "--seed", str(seed), "--run", run]
-        return cmd + (["--layout-fault", layout_fault] if layout_fault else [])
+        return cmd + (["--layout-fault", layout_fault] if layout_fault else []) + (["--layout", layout] if layout else [])
 
     sup = Supervisor("trainer", workers, command) if spawn_workers else None
     task = asyncio.get_running_loop().create_task(sup.run()) if sup else None
@@ -378,7 +378,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
 
 
 def main(listen: str, workers: int, model: str, inference: str, seed: int, run: str, deadlines: Deadlines,
-         bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "") -> int:
+         bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
-                                       spawn_workers=spawn_workers, store_host=store_host))
+                                       spawn_workers=spawn_workers, store_host=store_host, layout=layout))

@@ -14,7 +14,8 @@ import threading
 
 import torch
 
-from reshard.common.models import build_layout
+from reshard.common.layout import dtype_of
+from reshard.common.frameworks import build
 from reshard.common.synth import advance_box, init_box
 from reshard.proto import worker_pb2 as wpb
 
@@ -85,12 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run", required=True)
     ap.add_argument("--layout-fault", default="", choices=["", "swap-kv"])
+    ap.add_argument("--layout", default="", help="layout spec, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all ranks)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    layout = build_layout("megatron", a.model, a.world)
-    buffers = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in layout.ranks[a.rank]}
+    layout = build(a.model, a.layout or f"framework=megatron,tp={a.world}")
+    if layout.world != a.world:
+        raise SystemExit(f"layout {a.layout!r} has {layout.world} ranks, not {a.world}")
+    buffers = {d.name: (d, torch.zeros(d.shape, dtype=dtype_of(d.dtype))) for d in layout.ranks[a.rank]}
     worker = SyntheticTrainer(a.controller, a.rank, a.world, layout.tensors, buffers, run=a.run, model=a.model,
                               seed=a.seed, layout_fault=a.layout_fault, snapshot=False)
     stop = threading.Event()

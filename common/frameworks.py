@@ -1,0 +1,476 @@
+"""Model shapes and the layouts frameworks give them, from a model config and a
+parallel config in the frameworks' own terms.
+
+Models: dense Llama-style (GQA), MoE with GQA (Qwen3-MoE), MoE with multi-head
+latent attention (DeepSeek-V3, Kimi-K2). Shapes only: no weights are needed to plan.
+
+Frameworks:
+- megatron: tp, pp, cp, dp (world = tp*pp*cp*dp), ep and etp folded into the
+  data-parallel ranks as Megatron folds them, vpp (virtual pipeline chunks).
+- vllm: tp, dp (replicas), ep (expert parallel on or off).
+- fsdp: dp with flat=1 (FSDP1: one flat parameter, evenly split, padded) or flat=0
+  (FSDP2: per-parameter Shard(0), padded to equal local shapes).
+
+Canonical names are Hugging Face's. Spec strings read `framework=megatron,tp=2,pp=2`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
+from .placement import chunk_sizes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    hidden: int
+    """Model width."""
+    layers: int
+    """Decoder layers."""
+    vocab: int
+    """Vocabulary size (unpadded)."""
+    heads: int
+    """Query heads."""
+    kv_heads: int = 0
+    """KV heads (GQA groups); unused with MLA."""
+    head_size: int = 0
+    """Head size (GQA); 0: hidden // heads."""
+    intermediate: int = 0
+    """Dense MLP width."""
+    attention: str = "gqa"
+    """gqa | mla (multi-head latent attention)."""
+    qk_norm: bool = False
+    """Per-head q/k RMSNorm (Qwen3)."""
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    experts: int = 0
+    """Routed experts per MoE layer (0: dense)."""
+    moe_intermediate: int = 0
+    """Width of one routed expert."""
+    shared_experts: int = 0
+    """Shared experts (fused into one MLP of shared_experts * moe_intermediate)."""
+    first_dense: int = 0
+    """Leading layers with a dense MLP in an MoE model."""
+    tie_embeddings: bool = False
+    """lm_head shares model.embed_tokens.weight."""
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"attention must be 'gqa' or 'mla', not {self.attention!r}")
+        if self.attention == "gqa" and (not self.kv_heads or self.heads % self.kv_heads):
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.hidden // self.heads
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.first_dense
+
+    def layer_tensors(self, i: int) -> list[TensorSpec]:
+        h, dt, p = self.hidden, self.dtype, f"model.layers.{i}."
+        out = [TensorSpec(p + "input_layernorm.weight", (h,), dt), TensorSpec(p + "post_attention_layernorm.weight", (h,), dt)]
+        if self.attention == "gqa":
+            hd = self.head_dim
+            out += [TensorSpec(p + "self_attn.q_proj.weight", (self.heads * hd, h), dt),
+                    TensorSpec(p + "self_attn.k_proj.weight", (self.kv_heads * hd, h), dt),
+                    TensorSpec(p + "self_attn.v_proj.weight", (self.kv_heads * hd, h), dt),
+                    TensorSpec(p + "self_attn.o_proj.weight", (h, self.heads * hd), dt)]
+            if self.qk_norm:
+                out += [TensorSpec(p + "self_attn.q_norm.weight", (hd,), dt), TensorSpec(p + "self_attn.k_norm.weight", (hd,), dt)]
+        else:
+            qk = self.qk_nope_dim + self.qk_rope_dim
+            out += [TensorSpec(p + "self_attn.q_a_proj.weight", (self.q_lora_rank, h), dt),
+                    TensorSpec(p + "self_attn.q_a_layernorm.weight", (self.q_lora_rank,), dt),
+                    TensorSpec(p + "self_attn.q_b_proj.weight", (self.heads * qk, self.q_lora_rank), dt),
+                    TensorSpec(p + "self_attn.kv_a_proj_with_mqa.weight", (self.kv_lora_rank + self.qk_rope_dim, h), dt),
+                    TensorSpec(p + "self_attn.kv_a_layernorm.weight", (self.kv_lora_rank,), dt),
+                    TensorSpec(p + "self_attn.kv_b_proj.weight", (self.heads * (self.qk_nope_dim + self.v_head_dim), self.kv_lora_rank), dt),
+                    TensorSpec(p + "self_attn.o_proj.weight", (h, self.heads * self.v_head_dim), dt)]
+        if not self.is_moe(i):
+            out += _mlp(p + "mlp.", h, self.intermediate, dt)
+        else:
+            out.append(TensorSpec(p + "mlp.gate.weight", (self.experts, h), dt))
+            for e in range(self.experts):
+                out += _mlp(f"{p}mlp.experts.{e}.", h, self.moe_intermediate, dt)
+            if self.shared_experts:
+                out += _mlp(p + "mlp.shared_experts.", h, self.shared_experts * self.moe_intermediate, dt)
+        return out
+
+    def tensors(self) -> dict[str, TensorSpec]:
+        dt = self.dtype
+        out = [TensorSpec("model.embed_tokens.weight", (self.vocab, self.hidden), dt)]
+        for i in range(self.layers):
+            out += self.layer_tensors(i)
+        out.append(TensorSpec("model.norm.weight", (self.hidden,), dt))
+        if not self.tie_embeddings:
+            out.append(TensorSpec("lm_head.weight", (self.vocab, self.hidden), dt))
+        return {t.name: t for t in out}
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors().values())
+
+
+def _mlp(prefix: str, h: int, inter: int, dt: str) -> list[TensorSpec]:
+    return [TensorSpec(prefix + "gate_proj.weight", (inter, h), dt), TensorSpec(prefix + "up_proj.weight", (inter, h), dt),
+            TensorSpec(prefix + "down_proj.weight", (h, inter), dt)]
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, vocab=1030),
+    "small": ModelSpec(hidden=256, heads=8, kv_heads=2, intermediate=704, layers=4, vocab=5003),
+    "tiny-moe": ModelSpec(hidden=64, heads=4, kv_heads=2, intermediate=128, layers=3, vocab=1030, qk_norm=True,
+                          experts=8, moe_intermediate=32, first_dense=1, tie_embeddings=True),
+    "tiny-mla": ModelSpec(hidden=64, heads=4, layers=2, vocab=1030, attention="mla", q_lora_rank=32, kv_lora_rank=16,
+                          qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, intermediate=128, experts=8, moe_intermediate=32,
+                          shared_experts=1, first_dense=1),
+    # About 100 MB of bf16.
+    "medium": ModelSpec(hidden=1024, heads=16, kv_heads=4, intermediate=2816, layers=4, vocab=16003),
+    # The demo default: about 1.1 GB (1.06 GiB) of bf16, replicated KV heads on vLLM TP=4.
+    "llama-1g": ModelSpec(hidden=2048, heads=16, kv_heads=2, intermediate=5632, layers=10, vocab=32003),
+    "llama3-8b": ModelSpec(hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32, vocab=128256),
+    "llama3-70b": ModelSpec(hidden=8192, heads=64, kv_heads=8, intermediate=28672, layers=80, vocab=128256),
+    "qwen3-235b-a22b": ModelSpec(hidden=4096, heads=64, kv_heads=4, head_size=128, layers=94, vocab=151936, qk_norm=True,
+                                 experts=128, moe_intermediate=1536),
+    "deepseek-v3": ModelSpec(hidden=7168, heads=128, layers=61, vocab=129280, attention="mla", q_lora_rank=1536,
+                             kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, intermediate=18432,
+                             experts=256, moe_intermediate=2048, shared_experts=1, first_dense=3),
+    "kimi-k2": ModelSpec(hidden=7168, heads=64, layers=61, vocab=163840, attention="mla", q_lora_rank=1536,
+                         kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, intermediate=18432,
+                         experts=384, moe_intermediate=2048, shared_experts=1, first_dense=1),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    try:
+        return MODEL_SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODEL_SPECS)}") from None
+
+
+# -- building blocks -------------------------------------------------------------------
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _div(n: int, k: int, what: str) -> int:
+    if n % k:
+        raise LayoutError(f"{what}: {n} is not divisible by {k}")
+    return n // k
+
+
+def _rows(tensor: str, buf_row: int, row: int, rows: int, cols: int) -> Piece:
+    return Piece(tensor, Box((buf_row, 0), (rows, cols)), Box((row, 0), (rows, cols)))
+
+
+def _whole(name: str, spec: TensorSpec) -> LocalBuffer:
+    return LocalBuffer(name, spec.shape, spec.dtype, (Piece(spec.name, Box.full(spec.shape), Box.full(spec.shape)),))
+
+
+def _row_split(name: str, spec: TensorSpec, tp: int, r: int) -> LocalBuffer:
+    per = _div(spec.shape[0], tp, f"{spec.name} rows")
+    return LocalBuffer(name, (per, *spec.shape[1:]), spec.dtype, (_rows(spec.name, 0, r * per, per, spec.shape[1]),))
+
+
+def _col_split(name: str, spec: TensorSpec, tp: int, r: int) -> LocalBuffer:
+    rows, cols = spec.shape
+    per = _div(cols, tp, f"{spec.name} columns")
+    return LocalBuffer(name, (rows, per), spec.dtype, (Piece(spec.name, Box((0, 0), (rows, per)), Box((0, r * per), (rows, per))),))
+
+
+def _fused_rows(name: str, specs: list[TensorSpec], tp: int, r: int) -> LocalBuffer:
+    """This rank's row slice of each tensor, one after another (gate then up, q then k then v)."""
+    pieces, row = [], 0
+    for s in specs:
+        per = _div(s.shape[0], tp, f"{s.name} rows")
+        pieces.append(_rows(s.name, row, r * per, per, s.shape[1]))
+        row += per
+    return LocalBuffer(name, (row, specs[0].shape[1]), specs[0].dtype, tuple(pieces))
+
+
+def _vocab(name: str, spec: TensorSpec, tp: int, r: int, multiple: int) -> LocalBuffer:
+    vocab, h = spec.shape
+    per = _pad(vocab, multiple) // tp
+    lo = r * per
+    real = max(0, min(lo + per, vocab) - lo)
+    pieces = (_rows(spec.name, 0, lo, real, h),) if real else ()
+    padding = (Box((real, 0), (per - real, h)),) if real < per else ()
+    return LocalBuffer(name, (per, h), spec.dtype, pieces, padding)
+
+
+# -- vLLM ----------------------------------------------------------------------------
+
+def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int = 64) -> Layout:
+    """vLLM's layout: TP ranks per replica, `dp` identical replicas; ep=1 puts whole experts
+    on ranks (expert parallel over tp*dp), ep=0 splits every expert over TP."""
+    tensors = m.tensors()
+    replica = [_vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple) for r in range(tp)]
+    ranks = []
+    for d in range(dp):
+        for r in range(tp):
+            ranks.append(replica[r] if not (ep and m.experts) else _vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple, d))
+    return Layout(tensors, tuple(ranks))
+
+
+def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int, ep: int, mult: int, d: int = 0):
+    bufs = [_vocab("model.embed_tokens.weight", t["model.embed_tokens.weight"], tp, r, mult)]
+    for i in range(m.layers):
+        p = f"model.layers.{i}."
+        bufs += [_whole(p + "input_layernorm.weight", t[p + "input_layernorm.weight"]),
+                 _whole(p + "post_attention_layernorm.weight", t[p + "post_attention_layernorm.weight"])]
+        if m.attention == "gqa":
+            hd, h = m.head_dim, m.hidden
+            qrows = _div(m.heads, tp, "heads") * hd
+            kvn = max(1, m.kv_heads // tp)
+            if m.kv_heads % tp and tp % m.kv_heads:
+                raise LayoutError(f"vllm: kv_heads={m.kv_heads} and tp={tp} must divide one another")
+            kv0 = (r // max(1, tp // m.kv_heads)) * kvn
+            bufs.append(LocalBuffer(p + "self_attn.qkv_proj.weight", (qrows + 2 * kvn * hd, h), m.dtype, (
+                _rows(p + "self_attn.q_proj.weight", 0, r * qrows, qrows, h),
+                _rows(p + "self_attn.k_proj.weight", qrows, kv0 * hd, kvn * hd, h),
+                _rows(p + "self_attn.v_proj.weight", qrows + kvn * hd, kv0 * hd, kvn * hd, h))))
+            bufs.append(_col_split(p + "self_attn.o_proj.weight", t[p + "self_attn.o_proj.weight"], tp, r))
+            if m.qk_norm:
+                bufs += [_whole(p + "self_attn.q_norm.weight", t[p + "self_attn.q_norm.weight"]),
+                         _whole(p + "self_attn.k_norm.weight", t[p + "self_attn.k_norm.weight"])]
+        else:
+            a = p + "self_attn."
+            bufs.append(_fused_rows(a + "fused_qkv_a_proj.weight", [t[a + "q_a_proj.weight"], t[a + "kv_a_proj_with_mqa.weight"]], 1, 0))
+            bufs += [_whole(a + "q_a_layernorm.weight", t[a + "q_a_layernorm.weight"]),
+                     _whole(a + "kv_a_layernorm.weight", t[a + "kv_a_layernorm.weight"]),
+                     _row_split(a + "q_b_proj.weight", t[a + "q_b_proj.weight"], tp, r),
+                     _row_split(a + "kv_b_proj.weight", t[a + "kv_b_proj.weight"], tp, r),
+                     _col_split(a + "o_proj.weight", t[a + "o_proj.weight"], tp, r)]
+        if not m.is_moe(i):
+            bufs.append(_fused_rows(p + "mlp.gate_up_proj.weight", [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], tp, r))
+            bufs.append(_col_split(p + "mlp.down_proj.weight", t[p + "mlp.down_proj.weight"], tp, r))
+            continue
+        bufs.append(_whole(p + "mlp.gate.weight", t[p + "mlp.gate.weight"]))
+        if ep:
+            world = tp * dp
+            per = _div(m.experts, world, "experts over expert-parallel ranks")
+            experts = range((d * tp + r) * per, (d * tp + r + 1) * per)
+            etp, er = 1, 0
+        else:
+            experts, etp, er = range(m.experts), tp, r
+        bufs += _expert_stack(p, m, t, experts, etp, er)
+        if m.shared_experts:
+            s = p + "mlp.shared_experts."
+            bufs.append(_fused_rows(s + "gate_up_proj.weight", [t[s + "gate_proj.weight"], t[s + "up_proj.weight"]], tp, r))
+            bufs.append(_col_split(s + "down_proj.weight", t[s + "down_proj.weight"], tp, r))
+    bufs.append(_whole("model.norm.weight", t["model.norm.weight"]))
+    head = "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"
+    bufs.append(_vocab("lm_head.weight", t[head], tp, r, mult))
+    return tuple(bufs)
+
+
+def _expert_stack(p: str, m: ModelSpec, t: dict[str, TensorSpec], experts: range, etp: int, r: int) -> list[LocalBuffer]:
+    """vLLM FusedMoE: w13_weight [E, 2*I/etp, H] (gate rows then up rows), w2_weight [E, H, I/etp]."""
+    h, inter = m.hidden, m.moe_intermediate
+    per = _div(inter, etp, "moe_intermediate over expert TP")
+    w13, w2 = [], []
+    for k, e in enumerate(experts):
+        x = f"{p}mlp.experts.{e}."
+        w13.append(Piece(x + "gate_proj.weight", Box((k, 0, 0), (1, per, h)), Box((r * per, 0), (per, h))))
+        w13.append(Piece(x + "up_proj.weight", Box((k, per, 0), (1, per, h)), Box((r * per, 0), (per, h))))
+        w2.append(Piece(x + "down_proj.weight", Box((k, 0, 0), (1, h, per)), Box((0, r * per), (h, per))))
+    n = len(experts)
+    return [_flatten_3d(p + "mlp.experts.w13_weight", (n, 2 * per, h), m.dtype, w13),
+            _flatten_3d(p + "mlp.experts.w2_weight", (n, h, per), m.dtype, w2)]
+
+
+def _flatten_3d(name: str, shape: tuple[int, int, int], dtype: str, pieces: list[Piece]) -> LocalBuffer:
+    """A stacked [E, a, b] buffer whose pieces are given as (expert, row, 0)-anchored slabs of whole
+    rows: each becomes a flat piece (the slab is contiguous in the buffer)."""
+    out = []
+    for p in pieces:
+        (e, r0, c0), (_, rows, cols) = p.region.offset, p.region.size
+        assert c0 == 0 and cols == shape[2], "expert slabs span whole rows"
+        start = (e * shape[1] + r0) * shape[2]
+        out.append(Piece(p.tensor, Box((start,), (rows * cols,)), p.box, flat=True))
+    return LocalBuffer(name, shape, dtype, tuple(out))
+
+
+# -- Megatron ------------------------------------------------------------------------
+
+def _stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
+    """Layers of each pipeline rank: virtual chunk v of rank s is model chunk v*pp + s; when the
+    layers do not divide evenly the earlier chunks take one more (uneven stages)."""
+    chunks = pp * vpp
+    sizes = [layers // chunks + (1 if c < layers % chunks else 0) for c in range(chunks)]
+    starts = [sum(sizes[:c]) for c in range(chunks)]
+    out = []
+    for s in range(pp):
+        mine = []
+        for v in range(vpp):
+            c = v * pp + s
+            mine += list(range(starts[c], starts[c] + sizes[c]))
+        out.append(mine)
+    return out
+
+
+def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1, etp: int = 0, vpp: int = 1,
+             pad_multiple: int = 128) -> Layout:
+    """Megatron-core's layout (TE names). Rank order tp, cp, dp, pp (tp fastest); expert ranks fold
+    the tp*cp*dp ranks of a stage as etp (fastest), ep, expert-dp."""
+    etp = etp or tp
+    inner = tp * cp * dp
+    if inner % (etp * ep):
+        raise LayoutError(f"megatron: tp*cp*dp={inner} must be a multiple of etp*ep={etp * ep}")
+    if m.experts and m.experts % ep:
+        raise LayoutError(f"megatron: experts={m.experts} not divisible by ep={ep}")
+    if m.attention == "gqa" and m.kv_heads % tp:
+        raise LayoutError(f"megatron: kv_heads={m.kv_heads} (query groups) not divisible by tp={tp}")
+    t = m.tensors()
+    stages = _stage_layers(m.layers, pp, vpp)
+    cache: dict[tuple, tuple] = {}
+    ranks = []
+    for rank in range(inner * pp):
+        tr, s, i = rank % tp, rank // inner, rank % inner
+        er = (i // etp) % ep
+        key = (tr, s, i % etp, er)
+        if key not in cache:
+            cache[key] = _megatron_rank(m, t, tp, tr, stages[s], s == 0, s == pp - 1, etp, i % etp, ep, er, pad_multiple * tp)
+        ranks.append(cache[key])
+    return Layout(t, tuple(ranks))
+
+
+def _megatron_rank(m, t, tp, r, layers, first, last, etp, etr, ep, er, mult):
+    bufs = []
+    emb = t["model.embed_tokens.weight"]
+    if first:
+        bufs.append(_vocab("embedding.word_embeddings.weight", emb, tp, r, mult))
+    for i in layers:
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        h = m.hidden
+        if m.attention == "gqa":
+            hd, qpg, groups = m.head_dim, m.heads // m.kv_heads, m.kv_heads // tp
+            pieces, row = [], 0
+            for g in range(r * groups, (r + 1) * groups):
+                pieces.append(_rows(hf + "self_attn.q_proj.weight", row, g * qpg * hd, qpg * hd, h))
+                row += qpg * hd
+                pieces.append(_rows(hf + "self_attn.k_proj.weight", row, g * hd, hd, h))
+                row += hd
+                pieces.append(_rows(hf + "self_attn.v_proj.weight", row, g * hd, hd, h))
+                row += hd
+            bufs.append(LocalBuffer(mg + "self_attention.linear_qkv.weight", (row, h), m.dtype, tuple(pieces)))
+            if m.qk_norm:
+                bufs += [_whole(mg + "self_attention.q_layernorm.weight", t[hf + "self_attn.q_norm.weight"]),
+                         _whole(mg + "self_attention.k_layernorm.weight", t[hf + "self_attn.k_norm.weight"])]
+        else:
+            a = hf + "self_attn."
+            bufs += [_whole(mg + "self_attention.linear_q_down_proj.weight", t[a + "q_a_proj.weight"]),
+                     _whole(mg + "self_attention.linear_q_up_proj.layer_norm_weight", t[a + "q_a_layernorm.weight"]),
+                     _row_split(mg + "self_attention.linear_q_up_proj.weight", t[a + "q_b_proj.weight"], tp, r),
+                     _whole(mg + "self_attention.linear_kv_down_proj.weight", t[a + "kv_a_proj_with_mqa.weight"]),
+                     _whole(mg + "self_attention.linear_kv_up_proj.layer_norm_weight", t[a + "kv_a_layernorm.weight"]),
+                     _row_split(mg + "self_attention.linear_kv_up_proj.weight", t[a + "kv_b_proj.weight"], tp, r)]
+        bufs.append(_whole(mg + "self_attention.linear_qkv.layer_norm_weight" if m.attention == "gqa" else mg + "input_layernorm.weight",
+                           t[hf + "input_layernorm.weight"]))
+        bufs.append(_col_split(mg + "self_attention.linear_proj.weight", t[hf + "self_attn.o_proj.weight"], tp, r))
+        if not m.is_moe(i):
+            bufs.append(_whole(mg + "mlp.linear_fc1.layer_norm_weight", t[hf + "post_attention_layernorm.weight"]))
+            bufs.append(_fused_rows(mg + "mlp.linear_fc1.weight", [t[hf + "mlp.gate_proj.weight"], t[hf + "mlp.up_proj.weight"]], tp, r))
+            bufs.append(_col_split(mg + "mlp.linear_fc2.weight", t[hf + "mlp.down_proj.weight"], tp, r))
+            continue
+        bufs.append(_whole(mg + "pre_mlp_layernorm.weight", t[hf + "post_attention_layernorm.weight"]))
+        bufs.append(_whole(mg + "mlp.router.weight", t[hf + "mlp.gate.weight"]))
+        per = m.experts // ep
+        for k in range(per):
+            e = er * per + k
+            x, y = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{k}."
+            bufs.append(_fused_rows(y + "linear_fc1.weight", [t[x + "gate_proj.weight"], t[x + "up_proj.weight"]], etp, etr))
+            bufs.append(_col_split(y + "linear_fc2.weight", t[x + "down_proj.weight"], etp, etr))
+        if m.shared_experts:
+            x, y = hf + "mlp.shared_experts.", mg + "mlp.shared_experts."
+            bufs.append(_fused_rows(y + "linear_fc1.weight", [t[x + "gate_proj.weight"], t[x + "up_proj.weight"]], tp, r))
+            bufs.append(_col_split(y + "linear_fc2.weight", t[x + "down_proj.weight"], tp, r))
+    if last:
+        bufs.append(_whole("decoder.final_layernorm.weight", t["model.norm.weight"]))
+        head = emb if m.tie_embeddings else t["lm_head.weight"]
+        bufs.append(_vocab("output_layer.weight", head, tp, r, mult))
+    return tuple(bufs)
+
+
+# -- FSDP ----------------------------------------------------------------------------
+
+def fsdp(m: ModelSpec, dp: int = 1, flat: int = 1) -> Layout:
+    """FSDP1 (flat=1): every parameter flattened and concatenated in order, padded to a multiple of
+    dp, each rank one equal 1-D range. FSDP2 (flat=0): each parameter Shard(0) over dp (torch.chunk),
+    local shards padded to equal shapes."""
+    t = m.tensors()
+    ranks = []
+    if flat:
+        total = sum(s.numel for s in t.values())
+        per = _pad(total, dp) // dp
+        for r in range(dp):
+            lo, hi = r * per, min((r + 1) * per, total)
+            pieces, pos = [], 0
+            for s in t.values():
+                a, b = max(lo, pos), min(hi, pos + s.numel)
+                if a < b:
+                    pieces += flat_pieces(s.name, s.shape, a - pos, b - pos, a - lo)
+                pos += s.numel
+            real = max(0, hi - lo)
+            padding = (Box((real,), (per - real,)),) if real < per else ()
+            ranks.append((LocalBuffer("flat_param", (per,), m.dtype, tuple(pieces), padding),))
+        return Layout(t, tuple(ranks))
+    for r in range(dp):
+        bufs = []
+        for s in t.values():
+            sizes = chunk_sizes(s.shape[0], dp)
+            rows, lo = sizes[r], sum(sizes[:r])
+            local = (sizes[0], *s.shape[1:])
+            pieces = (Piece(s.name, Box.full((rows, *s.shape[1:])), Box((lo, *(0 for _ in s.shape[1:])), (rows, *s.shape[1:]))),) if rows else ()
+            pad = (Box((rows, *(0 for _ in s.shape[1:])), (local[0] - rows, *s.shape[1:])),) if rows < local[0] else ()
+            bufs.append(LocalBuffer(s.name, local, s.dtype, pieces, pad))
+        ranks.append(tuple(bufs))
+    return Layout(t, tuple(ranks))
+
+
+BUILDERS = {"megatron": megatron, "vllm": vllm, "fsdp": fsdp}
+_INT_KEYS = {"megatron": ("tp", "pp", "cp", "dp", "ep", "etp", "vpp"), "vllm": ("tp", "dp", "ep"), "fsdp": ("dp", "flat")}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, int]]:
+    """'framework=megatron,tp=2,pp=4' -> ('megatron', {'tp': 2, 'pp': 4}), with errors naming the fix."""
+    fields = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise ValueError(f"layout spec {spec!r}: {part!r} is not key=value")
+        fields[k.strip()] = v.strip()
+    fw = fields.pop("framework", None)
+    if fw not in BUILDERS:
+        raise ValueError(f"layout spec {spec!r}: framework must be one of {', '.join(BUILDERS)}")
+    out = {}
+    for k, v in fields.items():
+        if k not in _INT_KEYS[fw]:
+            raise ValueError(f"layout spec {spec!r}: {fw} takes {', '.join(_INT_KEYS[fw])}, not {k!r}")
+        if not v.isdigit():
+            raise ValueError(f"layout spec {spec!r}: {k}={v!r} must be a non-negative integer")
+        out[k] = int(v)
+    return fw, out
+
+
+def build(model: str | ModelSpec, spec: str) -> Layout:
+    m = model_spec(model) if isinstance(model, str) else model
+    fw, kw = parse_spec(spec)
+    return BUILDERS[fw](m, **kw)
+
+
+def world_of(spec: str) -> int:
+    fw, kw = parse_spec(spec)
+    if fw == "megatron":
+        return kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1) * kw.get("dp", 1)
+    if fw == "vllm":
+        return kw.get("tp", 1) * kw.get("dp", 1)
+    return kw.get("dp", 1)
