@@ -27,6 +27,12 @@ def _address(what: str):
     return parse
 
 
+def _model_names() -> list[str]:
+    from reshard.common.frameworks import MODEL_SPECS
+
+    return list(MODEL_SPECS)
+
+
 def _layout_spec(s: str) -> str:
     from reshard.common.frameworks import parse_spec
 
@@ -109,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output file (torch.save of the tensor)")
     p.add_argument("--rank", type=int, default=None, help="read from this worker only (it must hold the whole tensor)")
     p.add_argument("--timeout", type=_positive, default=60.0)
+
+    p = sub.add_parser("plan", help="plan a layout pair and print its figures (no data moves)")
+    p.add_argument("--model", required=True, help="model shape: " + ", ".join(sorted(_model_names())))
+    p.add_argument("--src", type=_layout_spec, required=True, help="e.g. framework=megatron,tp=1,pp=4,dp=32,ep=16")
+    p.add_argument("--dst", type=_layout_spec, required=True, help="e.g. framework=vllm,tp=8,dp=16")
+    p.add_argument("--bucket-bytes", type=int, default=0)
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
@@ -254,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout)
+    if a.command == "plan":
+        from reshard.plan_cmd import main as plan_main
+
+        return plan_main(a)
     if a.command == "demo":
         from reshard.demo import run_demo
 

@@ -1,0 +1,132 @@
+"""Framework layout builders: valid, plannable, and laid out as the frameworks lay them out
+(checked with slicing written here for the parts that differ between frameworks)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reshard.common.engine import execute_in_memory
+from reshard.common.frameworks import build, model_spec, parse_spec, world_of
+from reshard.common.layout import LayoutError, dtype_of
+from reshard.common.planner import PlanOptions, make_plan
+
+SPECS = [
+    "framework=megatron,tp=2", "framework=megatron,tp=2,pp=2,dp=2", "framework=megatron,tp=1,pp=3,dp=2,vpp=1",
+    "framework=megatron,tp=2,pp=2,vpp=1,dp=2,ep=2", "framework=megatron,tp=2,dp=2,ep=2,etp=1",
+    "framework=vllm,tp=2", "framework=vllm,tp=4,dp=2", "framework=vllm,tp=2,dp=2,ep=1",
+    "framework=fsdp,dp=3", "framework=fsdp,dp=4,flat=0",
+]
+
+
+def canonical(m):
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(t.shape, generator=g).to(dtype_of(t.dtype)) for n, t in m.tensors().items()}
+
+
+def fill_from(layout, full):
+    out = []
+    for bufs in layout.ranks:
+        d = {}
+        for b in bufs:
+            t = torch.full(b.shape, float("nan"), dtype=dtype_of(b.dtype))
+            for p in b.pieces:
+                p.view(t).copy_(full[p.tensor][p.box.slices()])
+            d[b.name] = t
+        out.append(d)
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla"])
+@pytest.mark.parametrize("src,dst", [(SPECS[i], SPECS[j]) for i, j in [(1, 6), (3, 7), (4, 5), (8, 6), (9, 2), (7, 9), (0, 8)]])
+def test_builders_plan_and_execute(model, src, dst):
+    m = model_spec(model)
+    a, b = build(m, src), build(m, dst)
+    assert a.world == world_of(src) and b.world == world_of(dst)
+    full = canonical(m)
+    plan = make_plan(a, b, PlanOptions(bucket_bytes=8192, direct_min_bytes=1024, max_message_bytes=65536))
+    got = [{n: torch.full_like(t, float("nan")) for n, t in bufs.items()} for bufs in fill_from(b, full)]
+    execute_in_memory(plan, fill_from(a, full), got)
+    want = fill_from(b, full)
+    for r, bufs in enumerate(want):
+        for n, t in bufs.items():
+            assert torch.equal(got[r][n].nan_to_num(7.0), t.nan_to_num(7.0)), (r, n)
+
+
+def test_vllm_stacked_experts_and_megatron_local_experts():
+    m = model_spec("tiny-moe")
+    full = canonical(m)
+    inter, tp = m.moe_intermediate, 2
+    v = fill_from(build(m, "framework=vllm,tp=2"), full)
+    per = inter // tp
+    for r in range(tp):
+        w13, w2 = v[r]["model.layers.1.mlp.experts.w13_weight"], v[r]["model.layers.1.mlp.experts.w2_weight"]
+        assert w13.shape == (m.experts, 2 * per, m.hidden) and w2.shape == (m.experts, m.hidden, per)
+        for e in (0, 5):
+            x = f"model.layers.1.mlp.experts.{e}."
+            assert torch.equal(w13[e], torch.cat([full[x + "gate_proj.weight"][r * per:(r + 1) * per], full[x + "up_proj.weight"][r * per:(r + 1) * per]]))
+            assert torch.equal(w2[e], full[x + "down_proj.weight"][:, r * per:(r + 1) * per])
+    # Expert parallel in vLLM: whole experts, E / (tp * dp) per rank, in rank order.
+    ve = fill_from(build(m, "framework=vllm,tp=2,dp=2,ep=1"), full)
+    assert ve[3]["model.layers.1.mlp.experts.w13_weight"].shape[0] == 2
+    assert torch.equal(ve[3]["model.layers.1.mlp.experts.w2_weight"][1], full["model.layers.1.mlp.experts.7.down_proj.weight"])
+    # Megatron ep=2 over dp=2 ranks (tp=1): rank 1 holds experts 4..7 as local experts 0..3.
+    mg = fill_from(build(m, "framework=megatron,dp=2,ep=2"), full)
+    fc1 = mg[1]["decoder.layers.2.mlp.experts.local_experts.0.linear_fc1.weight"]
+    x = "model.layers.2.mlp.experts.4."
+    assert torch.equal(fc1, torch.cat([full[x + "gate_proj.weight"], full[x + "up_proj.weight"]]))
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in mg[0]  # first_dense layer: a dense MLP
+
+
+def test_pipeline_stages_uneven_and_virtual():
+    m = model_spec("small")  # 4 layers
+    lay = build(m, "framework=megatron,pp=3")
+    layers = [sorted({int(b.name.split(".")[2]) for b in r if b.name.startswith("decoder.layers.")}) for r in lay.ranks]
+    assert layers == [[0, 1], [2], [3]]
+    lay = build(m, "framework=megatron,pp=2,vpp=2")
+    layers = [sorted({int(b.name.split(".")[2]) for b in r if b.name.startswith("decoder.layers.")}) for r in lay.ranks]
+    assert layers == [[0, 2], [1, 3]]  # chunk v*pp + s
+    assert any(b.name == "embedding.word_embeddings.weight" for b in lay.ranks[0])
+    assert any(b.name == "output_layer.weight" for b in lay.ranks[1])
+
+
+def test_tied_embeddings_are_one_tensor_named_twice():
+    m = model_spec("tiny-moe")
+    assert "lm_head.weight" not in m.tensors()
+    lay = build(m, "framework=vllm,tp=1")
+    names = [p.tensor for b in lay.ranks[0] if b.name in ("model.embed_tokens.weight", "lm_head.weight") for p in b.pieces]
+    assert names == ["model.embed_tokens.weight", "model.embed_tokens.weight"]
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match="framework must be one of"):
+        parse_spec("framework=jax,tp=2")
+    with pytest.raises(ValueError, match="takes tp, dp, ep"):
+        parse_spec("framework=vllm,pp=2")
+    with pytest.raises(ValueError, match="non-negative integer"):
+        parse_spec("framework=vllm,tp=two")
+    with pytest.raises(LayoutError, match="etp\\*ep"):
+        build("tiny-moe", "framework=megatron,tp=2,dp=1,ep=2")
+    with pytest.raises(LayoutError, match="not divisible"):
+        build("tiny", "framework=megatron,tp=4")
+
+
+def test_plan_command_json():
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "plan", "--model", "tiny-moe", "--src",
+                        "framework=megatron,tp=2,pp=2", "--dst", "framework=vllm,tp=2,dp=2", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("plan_seconds", "num_ranks_src", "num_ranks_dst", "num_tensors", "num_transfers", "bytes_total",
+                "max_rank_send_bytes", "mean_rank_send_bytes", "max_rank_recv_bytes", "max_link_bytes", "peak_memory_bytes"):
+        assert key in out, key
+    m = model_spec("tiny-moe")
+    dst = build(m, "framework=vllm,tp=2,dp=2")
+    payload = sum(p.box.numel * 2 for bufs in dst.ranks for b in bufs for p in b.pieces)
+    assert out["bytes_total"] == payload and out["num_ranks_src"] == 4 and out["num_ranks_dst"] == 4
+    assert out["max_rank_send_bytes"] >= out["mean_rank_send_bytes"] > 0
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "plan", "--model", "tiny", "--src", "framework=megatron,tp=4",
+                        "--dst", "framework=vllm,tp=2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not divisible" in r.stderr
