@@ -58,10 +58,11 @@ def unpack(m: Message, buffers: dict[str, torch.Tensor], staged: torch.Tensor) -
 
 
 def execute_in_memory(plan: Plan, src_buffers: list[dict[str, torch.Tensor]], dst_buffers: list[dict[str, torch.Tensor]]) -> None:
-    """Run a whole plan inside one process over plain tensors (tests and the planner's users)."""
-    for m in plan.messages:
+    """Run a whole plan inside one process over plain tensors (tests and the planner's users).
+    Messages run in round order, so relays forward what their rank received earlier."""
+    for m in sorted(plan.messages, key=lambda m: m.round):
         wire = torch.empty(m.staged_bytes, dtype=torch.uint8)
-        pack(m, src_buffers[m.src], wire)
+        pack(m, (dst_buffers if m.relay else src_buffers)[m.src], wire)
         unpack(m, dst_buffers[m.dst], wire)
 
 
@@ -69,7 +70,8 @@ PieceKey = tuple[int, str, int]  # (destination rank, destination buffer, piece 
 
 
 class Engine:
-    """Runs one rank's sends (source side) or receives (destination side) of a plan."""
+    """Runs one rank's share of a plan: a source rank's sends, or a destination rank's receives
+    and the relays it forwards to its replicas."""
 
     def __init__(self, transport: Transport, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
                  tensor_shapes: dict[str, tuple[int, ...]], pool: StagingPool, deadline: float,
@@ -80,15 +82,20 @@ class Engine:
         self.t, self.plan, self.side, self.rank = transport, plan, side, rank
         self.buffers, self.shapes, self.pool = buffers, tensor_shapes, pool
         self.deadline, self.progress, self.do_checksums, self.hook = deadline, progress, checksums, hook
-        self.msgs = (plan.sends if side == "src" else plan.recvs).get(rank, [])
+        if side == "src":
+            self.work = [(m, "send") for m in plan.sends.get(rank, [])]
+        else:
+            self.work = [(m, "recv") for m in plan.recvs.get(rank, [])] + [(m, "send") for m in plan.relay_sends.get(rank, [])]
         self.src_world = plan.src_world
         self.dst_offset = plan.src_world if dst_offset is None else dst_offset
         self.checksums: dict[PieceKey, int] = defaultdict(int)
         self.bytes_done = 0
         self.checksum_seconds = 0.0
 
-    def _peer(self, m: Message) -> int:
-        return self.dst_offset + m.dst if self.side == "src" else m.src
+    def _peer(self, m: Message, role: str) -> int:
+        if role == "send":
+            return self.dst_offset + m.dst
+        return self.src_world + m.src if m.relay else m.src
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -96,14 +103,15 @@ class Engine:
             raise TransportError("update deadline passed during transfer")
         return left
 
-    def _rounds(self) -> list[list[Message]]:
-        by_round: dict[int, list[Message]] = defaultdict(list)
-        for m in self.msgs:
-            by_round[m.round].append(m)
+    def _rounds(self) -> list[list[tuple[Message, str]]]:
+        by_round: dict[int, list[tuple[Message, str]]] = defaultdict(list)
+        for m, role in self.work:
+            by_round[m.round].append((m, role))
         return [by_round[r] for r in sorted(by_round)]
 
-    def _staged(self, m: Message) -> bool:
-        return not (m.send_direct if self.side == "src" else m.recv_direct)
+    @staticmethod
+    def _staged(m: Message, role: str) -> bool:
+        return not (m.send_direct if role == "send" else m.recv_direct)
 
     def _sender_checksum(self, dst: int, seg: Segment, wire: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -114,43 +122,46 @@ class Engine:
 
     def run(self) -> dict[PieceKey, int]:
         rounds = self._rounds()
-        total = sum(m.nbytes for m in self.msgs)
-        sizes = [sum(m.staged_bytes for m in r if self._staged(m)) for r in rounds]
+        total = sum(m.nbytes for m, _ in self.work)
+        sizes = [sum(m.staged_bytes for m, role in r if self._staged(m, role)) for r in rounds]
         half = max(sizes, default=0)
         pool = self.pool.get(2 * half) if half else None
 
-        def stage(i: int) -> list[tuple[Message, torch.Tensor]]:
+        def stage(i: int) -> list[tuple[Message, str, torch.Tensor]]:
             base = (i % 2) * half
             pos, out = 0, []
-            for m in rounds[i]:
-                if self._staged(m):
+            for m, role in rounds[i]:
+                if self._staged(m, role):
                     buf = pool[base + pos : base + pos + m.staged_bytes]
                     pos += m.staged_bytes
-                    if self.side == "src":
+                    if role == "send":
                         pack(m, self.buffers, buf)
                 else:
                     seg = m.segments[0]
-                    if self.side == "src":
-                        buf = _flat_bytes(self.buffers[seg.src.buffer], seg.src, seg.box.size)
-                    else:
-                        buf = _flat_bytes(self.buffers[seg.dst.buffer], seg.dst, seg.box.size)
-                out.append((m, buf))
+                    side = seg.src if role == "send" else seg.dst
+                    buf = _flat_bytes(self.buffers[side.buffer], side, seg.box.size)
+                out.append((m, role, buf))
             return out
 
-        def post(items: list[tuple[Message, torch.Tensor]]) -> list[Work]:
-            if self.side == "src":
-                return [self.t.send(buf[: m.wire_bytes], self._peer(m), m.tag) for m, buf in items]
-            return [self.t.recv(buf[: m.wire_bytes], self._peer(m), m.tag) for m, buf in items]
+        def post(items: list[tuple[Message, str, torch.Tensor]]) -> list[Work]:
+            return [(self.t.send if role == "send" else self.t.recv)(buf[: m.wire_bytes], self._peer(m, role), m.tag)
+                    for m, role, buf in items]
+
+        def prepackable(i: int) -> bool:
+            # A relay forwards what this rank received: pack it only once earlier rounds landed.
+            return not any(m.relay and role == "send" for m, role in rounds[i])
 
         if not rounds:
             return {}
         current = stage(0)
         works = post(current)
         for i in range(len(rounds)):
-            nxt = stage(i + 1) if (i + 1 < len(rounds) and self.side == "src") else None
-            if self.side == "src" and self.do_checksums:
-                for m, buf in current:
-                    if self._staged(m):
+            nxt = stage(i + 1) if (i + 1 < len(rounds) and prepackable(i + 1)) else None
+            if self.do_checksums:
+                for m, role, buf in current:
+                    if role != "send" or m.relay:
+                        continue
+                    if self._staged(m, role):
                         for seg, off in zip(m.segments, m.offsets()):
                             w = buf[off : off + seg.nbytes].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
                             self._sender_checksum(m.dst, seg, w)
@@ -159,11 +170,10 @@ class Engine:
                         self._sender_checksum(m.dst, seg, seg.src.view(self.buffers[seg.src.buffer], seg.box.size))
             for w in works:
                 w.wait(self._remaining())
-            if self.side == "dst":
-                for m, buf in current:
-                    if self._staged(m):
-                        unpack(m, self.buffers, buf)
-            self.bytes_done += sum(m.nbytes for m, _ in current)
+            for m, role, buf in current:
+                if role == "recv" and self._staged(m, role):
+                    unpack(m, self.buffers, buf)
+            self.bytes_done += sum(m.nbytes for m, _, _ in current)
             if self.progress:
                 self.progress(self.bytes_done, total)
             if self.hook:

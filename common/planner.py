@@ -34,6 +34,9 @@ class PlanOptions:
     """A contiguous segment at least this large bypasses staging on the side(s) where it is contiguous."""
     max_message_bytes: int = 64 << 20
     """Direct segments are split into messages of at most this size (progress, pipelining)."""
+    relay: bool = True
+    """Destination replicas (ranks with identical buffers, e.g. DP copies) get their bytes from a
+    replica that received them in an earlier round, so trainer egress carries each byte once."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 4096:
@@ -98,6 +101,7 @@ class Message:
     send_direct: bool  # one segment, sent straight from source storage
     recv_direct: bool  # one segment, received straight into destination storage
     nbytes: int
+    relay: bool = False  # src is a destination rank forwarding what it received earlier
 
     def offsets(self) -> list[int]:
         """Byte offset of each segment inside the staged message."""
@@ -126,10 +130,28 @@ class Plan:
     digest: str
     sends: dict[int, list[Message]]
     recvs: dict[int, list[Message]]
+    relay_sends: dict[int, list[Message]] = dataclasses.field(default_factory=dict)
+    primary_of: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Destination rank -> the replica whose pieces (and expected checksums) it mirrors."""
 
     @property
     def total_bytes(self) -> int:
         return sum(m.nbytes for m in self.messages)
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes leaving the source ranks (relays excluded): trainer egress."""
+        return sum(m.nbytes for m in self.messages if not m.relay)
+
+    def expected_checksums(self, sent: dict[tuple[int, str, int], int]) -> dict[tuple[int, str, int], int]:
+        """Sender checksums per destination piece, extended to the replicas fed by relays
+        (a replica must hold exactly what its primary received)."""
+        out = dict(sent)
+        for (r, b, i), v in sent.items():
+            for rep, prim in self.primary_of.items():
+                if prim == r:
+                    out[(rep, b, i)] = v
+        return out
 
     def send_bytes(self, src: int) -> int:
         return sum(m.nbytes for m in self.sends.get(src, ()))
@@ -229,8 +251,11 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 
     # Assign every (destination piece x source box) intersection to one source replica,
     # balancing the bytes each source rank sends (largest first, least-loaded replica).
+    primary_of = _replica_groups(dst) if options.relay else {}
     pending: list[tuple] = []  # (dst rank, order, piece idx, box, dst side, dtype, tensor, source box)
     for drank, bufs in enumerate(dst.ranks):
+        if primary_of.get(drank, drank) != drank:
+            continue  # a replica: fed by a relay below
         for buf in bufs:
             for pi, p in enumerate(buf.pieces):
                 if tensors is not None and p.tensor not in tensors:
@@ -267,54 +292,116 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     messages: list[Message] = []
     num_rounds = 0
     for (srank, drank) in sorted(pair_segments):
-        segs = sorted(pair_segments[(srank, drank)], key=lambda s: (s.dst.buffer, s.dst.start, s.tensor, s.box.offset))
-        pair_msgs: list[tuple[list[Segment], bool, bool]] = []
-        packed: list[Segment] = []
-        packed_bytes = 0
+        msgs = _pair_messages(srank, drank, pair_segments[(srank, drank)], options, bucket, 0, False)
+        messages += msgs
+        num_rounds = max(num_rounds, max(m.round for m in msgs) + 1)
+    # Relays: replicas forward what they hold, in rounds after every source round, along a
+    # binomial tree per replica group (the holders double each step).
+    for step_pairs in _relay_steps(primary_of):
+        step_rounds = 0
+        for a, b in step_pairs:
+            segs = []
+            for buf in dst.ranks[b]:
+                for pi, p in enumerate(buf.pieces):
+                    if tensors is not None and p.tensor not in tensors:
+                        continue
+                    start, strides = p.base(buf.shape)
+                    side = Side(buf.name, start, strides)
+                    segs.append(Segment(p.tensor, p.box, side, side, pi, buf.dtype, buf.dtype))
+            if segs:
+                msgs = _pair_messages(a, b, segs, options, bucket, num_rounds, True)
+                messages += msgs
+                step_rounds = max(step_rounds, max(m.round for m in msgs) + 1 - num_rounds)
+        num_rounds += step_rounds
 
-        def flush() -> None:
-            nonlocal packed, packed_bytes
-            if packed:
-                pair_msgs.append((packed, False, False))
-                packed, packed_bytes = [], 0
-
-        for seg in segs:
-            isz = itemsize(seg.dst_dtype)
-            s_contig = seg.src_dtype == seg.dst_dtype and seg.src.contiguous(seg.box.size)
-            d_contig = seg.dst.contiguous(seg.box.size)
-            direct = (s_contig or d_contig) and seg.nbytes >= options.direct_min_bytes
-            limit = (options.max_message_bytes if (s_contig and d_contig) else bucket) // isz
-            for off, size in _split_box(seg.box.size, max(1, limit if direct else bucket // isz)):
-                sub = _sub_segment(seg, off, size)
-                if direct:
-                    sc = s_contig and sub.src.contiguous(size)
-                    dc = d_contig and sub.dst.contiguous(size)
-                    pair_msgs.append(([sub], sc, dc))
-                    continue
-                if packed_bytes + _align(sub.nbytes) > bucket:
-                    flush()
-                packed.append(sub)
-                packed_bytes += _align(sub.nbytes)
-        flush()
-        # Rounds: consecutive messages of a pair share a round while their staged bytes fit a bucket.
-        rnd, staged, total = 0, 0, 0
-        for tag, (msegs, sd, rd) in enumerate(pair_msgs):
-            nbytes = sum(s.nbytes for s in msegs)
-            st = 0 if (sd and rd) else sum(_align(s.nbytes) for s in msegs)
-            if tag and (staged + st > bucket or total + nbytes > options.max_message_bytes):
-                rnd, staged, total = rnd + 1, 0, 0
-            staged += st
-            total += nbytes
-            messages.append(Message(srank, drank, rnd, tag, tuple(msegs), sd, rd, nbytes))
-        num_rounds = max(num_rounds, rnd + 1)
-
-    messages.sort(key=lambda m: (m.round, m.src, m.dst, m.tag))
+    messages.sort(key=lambda m: (m.round, m.relay, m.src, m.dst, m.tag))
     sends: dict[int, list[Message]] = defaultdict(list)
+    relay_sends: dict[int, list[Message]] = defaultdict(list)
     recvs: dict[int, list[Message]] = defaultdict(list)
     for m in messages:
-        sends[m.src].append(m)
+        (relay_sends if m.relay else sends)[m.src].append(m)
         recvs[m.dst].append(m)
-    return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages, tensors), dict(sends), dict(recvs))
+    return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages, tensors), dict(sends), dict(recvs),
+                dict(relay_sends), {r: p for r, p in primary_of.items() if r != p})
+
+
+def _replica_groups(dst: Layout) -> dict[int, int]:
+    """Destination rank -> primary rank of its replica group (ranks holding identical buffers)."""
+    first: dict[tuple, int] = {}
+    out = {}
+    for r, bufs in enumerate(dst.ranks):
+        out[r] = first.setdefault(bufs, r)
+    return out
+
+
+def _relay_steps(primary_of: dict[int, int]) -> list[list[tuple[int, int]]]:
+    """Binomial-tree relay steps: in each step every holder forwards to one replica still waiting."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for r, p in sorted(primary_of.items()):
+        if r != p:
+            groups[p].append(r)
+    steps: list[list[tuple[int, int]]] = []
+    for p, waiting in sorted(groups.items()):
+        holders, waiting, s = [p], list(waiting), 0
+        while waiting:
+            if len(steps) <= s:
+                steps.append([])
+            new = []
+            for h in holders:
+                if not waiting:
+                    break
+                b = waiting.pop(0)
+                steps[s].append((h, b))
+                new.append(b)
+            holders += new
+            s += 1
+    return steps
+
+
+def _pair_messages(srank: int, drank: int, segments: list[Segment], options: PlanOptions, bucket: int,
+                   first_round: int, relay: bool) -> list[Message]:
+    """One pair's segments, split to buckets, packed or direct, in rounds from `first_round`."""
+    segs = sorted(segments, key=lambda s: (s.dst.buffer, s.dst.start, s.tensor, s.box.offset))
+    pair_msgs: list[tuple[list[Segment], bool, bool]] = []
+    packed: list[Segment] = []
+    packed_bytes = 0
+
+    def flush() -> None:
+        nonlocal packed, packed_bytes
+        if packed:
+            pair_msgs.append((packed, False, False))
+            packed, packed_bytes = [], 0
+
+    for seg in segs:
+        isz = itemsize(seg.dst_dtype)
+        s_contig = seg.src_dtype == seg.dst_dtype and seg.src.contiguous(seg.box.size)
+        d_contig = seg.dst.contiguous(seg.box.size)
+        direct = (s_contig or d_contig) and seg.nbytes >= options.direct_min_bytes
+        limit = (options.max_message_bytes if (s_contig and d_contig) else bucket) // isz
+        for off, size in _split_box(seg.box.size, max(1, limit if direct else bucket // isz)):
+            sub = _sub_segment(seg, off, size)
+            if direct:
+                sc = s_contig and sub.src.contiguous(size)
+                dc = d_contig and sub.dst.contiguous(size)
+                pair_msgs.append(([sub], sc, dc))
+                continue
+            if packed_bytes + _align(sub.nbytes) > bucket:
+                flush()
+            packed.append(sub)
+            packed_bytes += _align(sub.nbytes)
+    flush()
+    # Rounds: consecutive messages of a pair share a round while their staged bytes fit a bucket.
+    out = []
+    rnd, staged, total = first_round, 0, 0
+    for tag, (msegs, sd, rd) in enumerate(pair_msgs):
+        nbytes = sum(s.nbytes for s in msegs)
+        st = 0 if (sd and rd) else sum(_align(s.nbytes) for s in msegs)
+        if tag and (staged + st > bucket or total + nbytes > options.max_message_bytes):
+            rnd, staged, total = rnd + 1, 0, 0
+        staged += st
+        total += nbytes
+        out.append(Message(srank, drank, rnd, tag, tuple(msegs), sd, rd, nbytes, relay))
+    return out
 
 
 def _sub_segment(seg: Segment, off: tuple[int, ...], size: tuple[int, ...]) -> Segment:
@@ -328,7 +415,7 @@ def _digest(src: Layout, dst: Layout, messages: list[Message], tensors: set[str]
     h.update(dst.fingerprint().encode())
     h.update(("*" if tensors is None else ",".join(sorted(tensors))).encode())
     for m in messages:
-        h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}".encode())
+        h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}{int(m.relay)}".encode())
         for s in m.segments:
             h.update(f"|{s.tensor}{s.box}{s.src}{s.dst}".encode())
     return h.hexdigest()[:16]

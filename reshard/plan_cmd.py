@@ -25,9 +25,10 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sends = [plan.send_bytes(r) for r in range(src.world)]
     recvs = [plan.recv_bytes(r) for r in range(dst.world)]
-    links: dict[tuple[int, int], int] = defaultdict(int)
+    relays = [sum(m.nbytes for m in plan.relay_sends.get(r, [])) for r in range(dst.world)]
+    links: dict[tuple[bool, int, int], int] = defaultdict(int)
     for msg in plan.messages:
-        links[(msg.src, msg.dst)] += msg.nbytes
+        links[(msg.relay, msg.src, msg.dst)] += msg.nbytes
     return {
         "model": model, "src": src_spec, "dst": dst_spec,
         "plan_seconds": t2 - t0, "layout_seconds": t1 - t0,
@@ -39,6 +40,11 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
         "max_rank_send_bytes": max(sends), "mean_rank_send_bytes": sum(sends) // len(sends),
         "max_rank_recv_bytes": max(recvs),
         "max_link_bytes": max(links.values(), default=0),
+        "trainer_egress_bytes": plan.source_bytes,
+        "trainer_egress_bytes_without_relay": plan.total_bytes,
+        "relay_bytes": plan.total_bytes - plan.source_bytes,
+        "max_rank_relay_bytes": max(relays, default=0),
+        "replicas_fed_by_relay": len(plan.primary_of),
         "send_imbalance": max(sends) / (sum(sends) / len(sends)) - 1 if sum(sends) else 0.0,
         "peak_memory_bytes": max(0, rss1 - rss0),
         "digest": plan.digest,

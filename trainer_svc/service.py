@@ -300,7 +300,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     k = (c.rank, c.buffer, c.piece)
                     expected[k] = (expected.get(k, 0) + c.value) % P
             req = pb.FinishUpdateRequest(update_id=uid)
-            for (r, b, i), v in sorted(expected.items()):
+            for (r, b, i), v in sorted(plan.expected_checksums(expected).items()):
                 req.expected.add(rank=r, buffer=b, piece=i, value=v)
             left = deadline - time.monotonic()
             try:

@@ -218,21 +218,36 @@ def check_exactly_once(plan, sc: Scenario) -> None:
             assert bool((c[b.data_rows :] == 0).all()), f"dst rank {r} buffer {b.name}: padding written"
 
 
+def _key(m):
+    return (m.relay, m.src, m.dst, m.tag)
+
+
+def _endpoints(plan):
+    """Every rank's operations, by session endpoint: a source rank sends; a destination rank
+    receives and forwards relays to its replicas."""
+    ops = {("s", r): list(plan.sends.get(r, [])) for r in range(plan.src_world)}
+    for r in range(plan.dst_world):
+        ops[("d", r)] = list(plan.recvs.get(r, [])) + list(plan.relay_sends.get(r, []))
+    return ops
+
+
 def check_rounds(plan) -> None:
-    keys = [(m.src, m.dst, m.tag) for m in plan.messages]
-    assert len(set(keys)) == len(keys), "duplicate (src, dst, tag)"
-    send_round = {(m.src, m.dst, m.tag): m.round for ms in plan.sends.values() for m in ms}
-    recv_round = {(m.src, m.dst, m.tag): m.round for ms in plan.recvs.values() for m in ms}
-    assert sum(len(v) for v in plan.sends.values()) == len(plan.messages)
-    assert sum(len(v) for v in plan.recvs.values()) == len(plan.messages)
+    keys = [_key(m) for m in plan.messages]
+    assert len(set(keys)) == len(keys), "duplicate (relay, src, dst, tag)"
+    sent = [m for ms in plan.sends.values() for m in ms] + [m for ms in plan.relay_sends.values() for m in ms]
+    recv = [m for ms in plan.recvs.values() for m in ms]
+    assert sorted(map(_key, sent)) == sorted(keys) == sorted(map(_key, recv))
     for m in plan.messages:
-        assert m in plan.sends[m.src] and m in plan.recvs[m.dst]
-        assert send_round[(m.src, m.dst, m.tag)] == recv_round[(m.src, m.dst, m.tag)] == m.round
-    for side in (plan.sends, plan.recvs):
+        assert m in (plan.relay_sends if m.relay else plan.sends)[m.src] and m in plan.recvs[m.dst]
+    for side in (plan.sends, plan.recvs, plan.relay_sends):
         for rank, ms in side.items():
             rounds = [m.round for m in ms]
             assert rounds == sorted(rounds), f"rank {rank}: rounds out of order {rounds}"
-            assert all((m.src if side is plan.sends else m.dst) == rank for m in ms)
+            assert all((m.src if side is not plan.recvs else m.dst) == rank for m in ms)
+    # A relay leaves its rank only after everything that rank receives from the sources.
+    for r, ms in plan.relay_sends.items():
+        first_relay = min(m.round for m in ms)
+        assert all(m.round < first_relay for m in plan.recvs.get(r, []))
     assert plan.num_rounds == max((m.round + 1 for m in plan.messages), default=0)
     simulate_rounds(plan)
 
@@ -240,12 +255,10 @@ def check_rounds(plan) -> None:
 def simulate_rounds(plan) -> None:
     """Run the engine's protocol abstractly: a rank posts every op of its current round and
     moves on only when all of them completed; an op completes when both ends posted it."""
-    peers = [("s", r, plan.sends.get(r, [])) for r in range(plan.src_world)] + [
-        ("d", r, plan.recvs.get(r, [])) for r in range(plan.dst_world)
-    ]
-    rounds = {(k, r): sorted({m.round for m in ms}) for k, r, ms in peers}
+    ops = _endpoints(plan)
+    rounds = {key: sorted({m.round for m in ms}) for key, ms in ops.items()}
     pos = {key: 0 for key in rounds}
-    done: set[tuple[int, int, int]] = set()
+    done: set = set()
 
     def current(key):
         rs = rounds[key]
@@ -255,14 +268,15 @@ def simulate_rounds(plan) -> None:
     while progress:
         progress = False
         for m in plan.messages:
-            k = (m.src, m.dst, m.tag)
-            if k not in done and current(("s", m.src)) == m.round and current(("d", m.dst)) == m.round:
+            k = _key(m)
+            sender = ("d" if m.relay else "s", m.src)
+            if k not in done and current(sender) == m.round and current(("d", m.dst)) == m.round:
                 done.add(k)
                 progress = True
-        for k, r, ms in peers:
-            cur = current((k, r))
-            if cur is not None and all((m.src, m.dst, m.tag) in done for m in ms if m.round == cur):
-                pos[(k, r)] += 1
+        for key, ms in ops.items():
+            cur = current(key)
+            if cur is not None and all(_key(m) in done for m in ms if m.round == cur):
+                pos[key] += 1
                 progress = True
     assert len(done) == len(plan.messages), "the round schedule deadlocks"
 
