@@ -64,7 +64,8 @@ class WorkerBase:
         self.fault = fault or {}
         self._pool = StagingPool()
         self._plans: dict[tuple, Plan] = {}
-        self._session: tuple[str, Transport] | None = None
+        self._sessions: dict[str, Transport] = {}  # one per attached deployment
+        self._update_session: dict[str, str] = {}
         self._dp = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{self.role}{rank}-dp")
         self._aborted: set[str] = set()
         self._current: str | None = None
@@ -199,16 +200,15 @@ class WorkerBase:
     async def _on_abort(self, a: wpb.Abort, cid: int) -> None:
         self._aborted.add(a.update_id)
         log.warning("%s worker %d: update %s aborted: %s", self.role, self.rank, a.update_id, a.reason)
-        self._drop_session()
+        self._drop_session(a.update_id)
         self.on_abort(a.update_id)
 
     def on_abort(self, update_id: str) -> None:
         pass
 
-    def _drop_session(self) -> None:
-        if self._session is not None:
-            _, t = self._session
-            self._session = None
+    def _drop_session(self, update_id: str) -> None:
+        t = self._sessions.pop(self._update_session.get(update_id, ""), None)
+        if t is not None:
             # Close on the data-plane thread, after whatever it still runs there.
             self._dp.submit(t.close)
 
@@ -249,21 +249,21 @@ class WorkerBase:
                 done.checksums.add(rank=r, buffer=b, piece=i, value=v)
         except Exception as e:  # noqa: BLE001
             log.warning("%s worker %d: transfer of %s failed: %s", self.role, self.rank, p.update_id, e)
-            self._drop_session()
+            self._drop_session(p.update_id)
             done.ok, done.error = False, str(e) if isinstance(e, TransportError) else f"{type(e).__name__}: {e}"
             self.last_error = done.error
         done.seconds = time.perf_counter() - t0
         self.emit(wpb.WorkerMessage(done=done))
 
     def _transport(self, s: pb.Session, timeout: float) -> Transport:
-        if self._session is not None and self._session[0] == s.id:
-            return self._session[1]
-        if self._session is not None:
-            self._session[1].close()
-            self._session = None
+        t = self._sessions.get(s.id)
+        if t is not None:
+            return t
+        while len(self._sessions) >= 8:  # deployments detached long ago
+            self._sessions.pop(next(iter(self._sessions))).close()
         rank = self.rank if self.side == "src" else s.src_world + self.rank
         t = transport_class(s.transport or "gloo")(s.store_host, s.store_port, s.id, rank, s.src_world + s.dst_world, timeout)
-        self._session = (s.id, t)
+        self._sessions[s.id] = t
         return t
 
     def _run_transfer(self, p: wpb.Prepare, plan: Plan, src: Layout, dst: Layout):
@@ -271,6 +271,7 @@ class WorkerBase:
         deadline = time.monotonic() + p.timeout_s
         if p.update_id in self._aborted:
             raise TransportError(f"update {p.update_id} was aborted")
+        self._update_session = {p.update_id: p.session.id}
         transport = self._transport(p.session, p.timeout_s)
         buffers = self.transfer_buffers()
         last = [0.0]

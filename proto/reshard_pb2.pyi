@@ -54,7 +54,7 @@ class UpdateProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class UpdateRecord(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     version: Version
     ok: bool
     seconds: float
@@ -77,14 +78,15 @@ class UpdateRecord(_message.Message):
     mode: str
     requests_during: int
     tensors: int
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ...) -> None: ...
+    deployment: str
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint")
+    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint", "deployments")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,7 @@ class Status(_message.Message):
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     HAS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     version: Version
@@ -115,7 +118,34 @@ class Status(_message.Message):
     committed: Version
     has_committed: bool
     layout_fingerprint: str
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    deployments: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
+
+class DeploymentStatus(_message.Message):
+    __slots__ = ("address", "committed", "has_committed", "last_error", "phase")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    HAS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    committed: Version
+    has_committed: bool
+    last_error: str
+    phase: str
+    def __init__(self, address: _Optional[str] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., last_error: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("deployments",)
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    deployments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, deployments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TriggerUpdateRequest(_message.Message):
     __slots__ = ("take_step", "mode", "tensors")
@@ -142,18 +172,20 @@ class WaitForVersionRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class UpdateOutcome(_message.Message):
-    __slots__ = ("ok", "committed", "superseded", "error", "record")
+    __slots__ = ("ok", "committed", "superseded", "error", "record", "deployments")
     OK_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     committed: Version
     superseded: bool
     error: str
     record: UpdateRecord
-    def __init__(self, ok: _Optional[bool] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., superseded: _Optional[bool] = ..., error: _Optional[str] = ..., record: _Optional[_Union[UpdateRecord, _Mapping]] = ...) -> None: ...
+    deployments: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
+    def __init__(self, ok: _Optional[bool] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., superseded: _Optional[bool] = ..., error: _Optional[str] = ..., record: _Optional[_Union[UpdateRecord, _Mapping]] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
 
 class GetLayoutRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,16 @@ class TrainerServiceStub:
                 request_serializer=reshard__pb2.StatusRequest.SerializeToString,
                 response_deserializer=reshard__pb2.Status.FromString,
                 _registered_method=True)
+        self.AttachInference = channel.unary_unary(
+                '/reshard.v1.TrainerService/AttachInference',
+                request_serializer=reshard__pb2.AttachRequest.SerializeToString,
+                response_deserializer=reshard__pb2.AttachReply.FromString,
+                _registered_method=True)
+        self.DetachInference = channel.unary_unary(
+                '/reshard.v1.TrainerService/DetachInference',
+                request_serializer=reshard__pb2.AttachRequest.SerializeToString,
+                response_deserializer=reshard__pb2.AttachReply.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -74,6 +84,19 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachInference(self, request, context):
+        """Attach or detach an inference deployment; every update goes to each attached one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachInference(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +114,16 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=reshard__pb2.StatusRequest.FromString,
                     response_serializer=reshard__pb2.Status.SerializeToString,
+            ),
+            'AttachInference': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachInference,
+                    request_deserializer=reshard__pb2.AttachRequest.FromString,
+                    response_serializer=reshard__pb2.AttachReply.SerializeToString,
+            ),
+            'DetachInference': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachInference,
+                    request_deserializer=reshard__pb2.AttachRequest.FromString,
+                    response_serializer=reshard__pb2.AttachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +207,60 @@ class TrainerService:
             '/reshard.v1.TrainerService/GetStatus',
             reshard__pb2.StatusRequest.SerializeToString,
             reshard__pb2.Status.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachInference(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.TrainerService/AttachInference',
+            reshard__pb2.AttachRequest.SerializeToString,
+            reshard__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachInference(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.TrainerService/DetachInference',
+            reshard__pb2.AttachRequest.SerializeToString,
+            reshard__pb2.AttachReply.FromString,
             options,
             channel_credentials,
             insecure,

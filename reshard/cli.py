@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", type=_layout_spec, default="",
                    help="standalone workers' layout, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all workers)")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
-    p.add_argument("--inference", type=_address("inference address"), required=True)
+    p.add_argument("--inference", type=_address("inference address"), action="append", default=[],
+                   help="an inference deployment to update (repeat for several; more can be attached later)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run", default="", help="run id (default: a fresh one; a resumed trainer starts a new run)")
     p.add_argument("--bucket-bytes", type=int, default=0, help="staging bucket size (default 16 MiB)")
@@ -101,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a partial update: comma-separated canonical names or patterns (e.g. 'model.layers.*.mlp.*'); "
                         "the others keep their committed values")
     p.add_argument("--timeout", type=_positive, default=300.0)
+
+    for verb in ("attach", "detach"):
+        p = sub.add_parser(verb, help=f"{verb} an inference deployment {'to' if verb == 'attach' else 'from'} a trainer")
+        p.add_argument("--trainer", type=_address("trainer address"), required=True)
+        p.add_argument("--inference", type=_address("inference address"), required=True)
+        p.add_argument("--timeout", type=_positive, default=10.0)
 
     p = sub.add_parser("status", help="what a service serves, its update in progress, workers, errors")
     g = p.add_mutually_exclusive_group(required=True)
@@ -177,6 +184,22 @@ async def cmd_update(a) -> int:
     return 0
 
 
+async def cmd_attach(a) -> int:
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+
+    async with channel(a.trainer) as ch:
+        stub = rgrpc.TrainerServiceStub(ch)
+        call = stub.AttachInference if a.command == "attach" else stub.DetachInference
+        try:
+            rep = await call(pb.AttachRequest(address=a.inference), timeout=a.timeout)
+        except grpc.aio.AioRpcError as e:
+            print(f"{a.command} failed: {status_error(e)}", file=sys.stderr)
+            return 2
+    print("attached deployments: " + (", ".join(rep.deployments) or "none"))
+    return 0
+
+
 async def cmd_status(a) -> int:
     from reshard.proto import reshard_pb2 as pb
     from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -196,6 +219,9 @@ async def cmd_status(a) -> int:
     print(f"{st.role} ({st.model}): {'published' if st.role == 'trainer' else 'serving'} {v}, state {st.serving_state}")
     if st.role == "trainer":
         print(f"  committed on inference: {st.committed.run}:{st.committed.step}" if st.has_committed else "  committed on inference: none")
+        for d in st.deployments:
+            dv = f"{d.committed.run}:{d.committed.step}" if d.has_committed else "none"
+            print(f"  deployment {d.address}: committed {dv}, {d.phase}" + (f", last error: {d.last_error}" if d.last_error else ""))
     p = st.progress
     if st.update_in_progress:
         pct = 100.0 * p.bytes_done / p.bytes_total if p.bytes_total else 0.0
@@ -277,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(a)
     from reshard.common.rpc import new_event_loop
 
-    fn = {"update": cmd_update, "status": cmd_status, "dump": cmd_dump}[a.command]
+    fn = {"update": cmd_update, "status": cmd_status, "dump": cmd_dump, "attach": cmd_attach, "detach": cmd_attach}[a.command]
     loop = new_event_loop()
     try:
         return loop.run_until_complete(fn(a))

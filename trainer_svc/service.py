@@ -21,7 +21,7 @@ from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_la
 from reshard.common.supervisor import Supervisor
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
-from reshard.common.rpc import Deadlines, channel, run_main, start_server, status_error, stop_server
+from reshard.common.rpc import Deadlines, channel, parse_address, run_main, start_server, status_error, stop_server
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -38,12 +38,34 @@ class UpdateFailed(RuntimeError):
     pass
 
 
+class Deployment:
+    """One attached inference deployment: its channel, data-plane session, plans and state."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.chan = channel(address)
+        self.stub = rgrpc.InferenceServiceStub(self.chan)
+        self.session: tuple[str, tuple] | None = None
+        self.plans: dict[tuple, object] = {}
+        self.committed: pb.Version | None = None
+        self.last_error = ""
+        self.phase = "IDLE"
+
+    def status(self) -> pb.DeploymentStatus:
+        st = pb.DeploymentStatus(address=self.address, last_error=self.last_error, phase=self.phase)
+        if self.committed is not None:
+            st.committed.CopyFrom(self.committed)
+            st.has_committed = True
+        return st
+
+
 class TrainerController(rgrpc.TrainerServiceServicer):
-    def __init__(self, hub: WorkerHub, model: str, inference: str, run: str, store_host: str, deadlines: Deadlines,
+    def __init__(self, hub: WorkerHub, model: str, inference: list[str], run: str, store_host: str, deadlines: Deadlines,
                  bucket_bytes: int = 0, transport: str = "gloo") -> None:
         from torch.distributed import TCPStore
 
-        self.hub, self.model, self.inference, self.run = hub, model, inference, run
+        self.hub, self.model, self.run = hub, model, run
+        self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
         self.deadlines, self.bucket_bytes, self.transport = deadlines, bucket_bytes, transport
         # The session rendezvous store; lives as long as the controller.
         self.store = TCPStore(store_host, 0, None, True, timeout=datetime.timedelta(seconds=deadlines.update_s), wait_for_workers=False)
@@ -53,7 +75,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.published: pb.Version | None = None
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
-        self.committed: pb.Version | None = None
         self.requested: tuple | None = None  # (version, mode, take_step, tensor patterns or None)
         self.outcomes: dict[str, pb.UpdateOutcome] = {}  # by version string
         self.history: list[pb.UpdateRecord] = []
@@ -65,10 +86,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._done: dict[int, wpb.TransferDone] = {}
         self._update_id = ""
         self._done_event = asyncio.Event()
-        self._session: tuple[str, tuple] | None = None
-        self._plans: dict[tuple, object] = {}
-        self._chan = channel(inference)
-        self._stub = rgrpc.InferenceServiceStub(self._chan)
+
+    @property
+    def committed(self) -> pb.Version | None:
+        """The newest version every attached deployment has committed."""
+        vs = [d.committed for d in self.deployments.values()]
+        if not vs or any(v is None for v in vs) or len({v.run for v in vs}) > 1:
+            return None
+        return min(vs, key=lambda v: v.step)
 
     # -- events ------------------------------------------------------------------------
     def _on_event(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
@@ -149,8 +174,26 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             return failed
         return None
 
+    async def AttachInference(self, req: pb.AttachRequest, context):
+        try:
+            parse_address(req.address, "inference address")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.address not in self.deployments:
+            self.deployments[req.address] = Deployment(req.address)
+            log.info("attached inference deployment %s", req.address)
+        return pb.AttachReply(deployments=list(self.deployments))
+
+    async def DetachInference(self, req: pb.AttachRequest, context):
+        d = self.deployments.pop(req.address, None)
+        if d is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no inference deployment {req.address!r} is attached; attached: {', '.join(self.deployments) or 'none'}")
+        log.info("detached inference deployment %s", req.address)
+        return pb.AttachReply(deployments=list(self.deployments))
+
     async def GetStatus(self, request, context):
         st = pb.Status(role="trainer", model=self.model, last_error=self.last_error)
+        st.deployments.extend(d.status() for d in self.deployments.values())
         if self.published is not None:
             st.version.CopyFrom(self.published)
             st.has_version = True
@@ -177,6 +220,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 
     # -- the update loop ---------------------------------------------------------------
     async def runner(self) -> None:
+        """The update loop; an unexpected error is logged and the loop goes on."""
         while True:
             await self.wake.wait()
             self.wake.clear()
@@ -187,17 +231,27 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             c = self.committed
             if c is not None and c.run == version.run and c.step >= version.step:
                 continue  # already there
-            if take_step and (self.published is None or self.published.step < version.step):
-                out = await self.take_step(version)
-            else:
-                out = None
-            if out is None:
-                out = await self.run_update(version, mode, tuple(sorted(patterns)) if patterns else ())
+            try:
+                out = await self._one_request(version, mode, take_step, patterns)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - never let the loop die silently
+                log.exception("update loop error")
+                self.phase, self.last_error = "ABORT", f"update {_v(version)}: internal error: {e!r}"
+                out = pb.UpdateOutcome(ok=False, error=self.last_error, record=pb.UpdateRecord(version=version, ok=False, error=self.last_error))
             self.outcomes[_v(version)] = out
             if len(self.outcomes) > 1000:
                 self.outcomes.pop(next(iter(self.outcomes)))
             async with self.changed:
                 self.changed.notify_all()
+
+    async def _one_request(self, version, mode, take_step, patterns) -> pb.UpdateOutcome:
+        out = None
+        if take_step and (self.published is None or self.published.step < version.step):
+            out = await self.take_step(version)
+        if out is None:
+            out = await self.run_update(version, mode, tuple(sorted(patterns)) if patterns else ())
+        return out
 
     async def take_step(self, version: pb.Version) -> pb.UpdateOutcome | None:
         """Standalone workers: take the simulated optimizer step(s) up to `version` and publish it."""
@@ -216,22 +270,47 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         return None
 
     async def run_update(self, version: pb.Version, mode: str, patterns: tuple[str, ...] = ()) -> pb.UpdateOutcome:
+        """Push `version` to every attached deployment, one after the other: each has its own
+        session, so one that fails or restarts does not abort the others."""
+        if not self.deployments:
+            msg = "no inference deployment is attached (reshard attach, or trainer --inference)"
+            self.last_error = f"update {_v(version)}: {msg}" if len(self.deployments) == 1 else f"update {_v(version)} on {d.address}: {msg}"
+            d.last_error = msg
+            return pb.UpdateOutcome(ok=False, error=msg, record=pb.UpdateRecord(version=version, ok=False, error=msg))
+        outs = []
+        for d in list(self.deployments.values()):
+            c = d.committed
+            if c is not None and c.run == version.run and c.step >= version.step:
+                outs.append(pb.UpdateOutcome(ok=True, committed=c, record=pb.UpdateRecord(version=c, ok=True, deployment=d.address)))
+                continue
+            outs.append(await self._update_one(d, version, mode, patterns))
+        failed = [(d, o) for d, o in zip(self.deployments.values(), outs) if not o.ok]
+        out = pb.UpdateOutcome(ok=not failed, record=outs[-1].record)
+        if failed:
+            out.error = "; ".join(f"{d.address}: {o.error}" for d, o in failed) if len(self.deployments) > 1 else failed[0][1].error
+            out.record.CopyFrom(failed[0][1].record)
+        else:
+            out.committed.CopyFrom(version)
+        out.deployments.extend(d.status() for d in self.deployments.values())
+        return out
+
+    async def _update_one(self, d: Deployment, version: pb.Version, mode: str, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
         t0 = time.monotonic()
         deadline = t0 + self.deadlines.update_s
         self.current = version
         self._update_id = uid = uuid.uuid4().hex[:12]
         self._done, self.progress_done, self.progress_total = {}, {}, 0
         began = False
-        record = pb.UpdateRecord(version=version, mode=mode)
+        record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address)
         try:
             # NEGOTIATE
-            self.phase = "NEGOTIATE"
+            self.phase = d.phase = "NEGOTIATE"
             await self.hub.wait_complete(self.deadlines.rpc_s)
             src = merge_rank_layouts(self.hub.alive())
             try:
-                lr = await self._stub.GetLayout(pb.GetLayoutRequest(), timeout=self.deadlines.rpc_s)
+                lr = await d.stub.GetLayout(pb.GetLayoutRequest(), timeout=self.deadlines.rpc_s)
             except grpc.aio.AioRpcError as e:
-                raise UpdateFailed(f"inference at {self.inference} unreachable: {status_error(e)}") from None
+                raise UpdateFailed(f"inference at {d.address} unreachable: {status_error(e)}") from None
             if lr.model and self.model and lr.model != self.model:
                 log.warning("trainer model %s vs inference model %s: layouts decide compatibility", self.model, lr.model)
             dst = Layout.from_bytes(lr.layout)
@@ -244,23 +323,23 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             try:
                 names = sorted(subset) if subset is not None else []
                 key = (src.fingerprint(), lr.fingerprint, opts.bucket_bytes, tuple(names))
-                plan = self._plans.get(key)
+                plan = d.plans.get(key)
                 if plan is None:
                     plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
-                    self._plans = {key: plan}
+                    d.plans = {key: plan}
             except LayoutError as e:
                 raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
             self.progress_total = plan.total_bytes
             # CONNECT: reuse the session while membership is unchanged.
             key = (lr.fingerprint, src.fingerprint(), self.hub.generation)
-            if self._session is None or self._session[1] != key:
-                self._session = (uuid.uuid4().hex[:12], key)
-            session = pb.Session(id=self._session[0], store_host=self.store_host, store_port=self.store.port,
+            if d.session is None or d.session[1] != key:
+                d.session = (uuid.uuid4().hex[:12], key)
+            session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
                                  src_world=src.world, dst_world=dst.world, transport=self.transport)
-            self.phase = "CONNECT"
+            self.phase = d.phase = "CONNECT"
             left = deadline - time.monotonic()
             try:
-                await self._stub.BeginUpdate(pb.BeginUpdateRequest(
+                await d.stub.BeginUpdate(pb.BeginUpdateRequest(
                     update_id=uid, version=version, src_layout=src.to_bytes(), plan_digest=plan.digest, session=session,
                     timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes, tensors=names),
                     timeout=min(left, self.deadlines.rpc_s * 2))
@@ -272,10 +351,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                                bucket_bytes=self.bucket_bytes, tensors=names)
             await self.hub.call_all(self.deadlines.rpc_s, prepare=prep)
             # TRANSFER
-            self.phase = "TRANSFER"
+            self.phase = d.phase = "TRANSFER"
             t_transfer = time.monotonic()
             while len(self._done) < self.hub.world:
-                failed = [d for d in self._done.values() if not d.ok]
+                failed = [td for td in self._done.values() if not td.ok]
                 if failed:
                     raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
                 if not self.hub.complete():
@@ -288,15 +367,15 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     await asyncio.wait_for(self._done_event.wait(), left)
                 except asyncio.TimeoutError:
                     pass
-            failed = [d for d in self._done.values() if not d.ok]
+            failed = [td for td in self._done.values() if not td.ok]
             if failed:
                 raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
             record.transfer_seconds = time.monotonic() - t_transfer
             # VERIFY + COMMIT (on inference, all ranks or none)
-            self.phase = "VERIFY"
+            self.phase = d.phase = "VERIFY"
             expected: dict[tuple, int] = {}
-            for d in self._done.values():
-                for c in d.checksums:
+            for td in self._done.values():
+                for c in td.checksums:
                     k = (c.rank, c.buffer, c.piece)
                     expected[k] = (expected.get(k, 0) + c.value) % P
             req = pb.FinishUpdateRequest(update_id=uid)
@@ -304,12 +383,13 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 req.expected.add(rank=r, buffer=b, piece=i, value=v)
             left = deadline - time.monotonic()
             try:
-                rep = await self._stub.FinishUpdate(req, timeout=max(1.0, left + 5))
+                rep = await d.stub.FinishUpdate(req, timeout=max(1.0, left + 5))
             except grpc.aio.AioRpcError as e:
                 began = False  # inference aborted it itself
                 raise UpdateFailed(e.details()) from None
-            self.phase = "DONE"
-            self.committed = rep.committed
+            self.phase = d.phase = "DONE"
+            d.committed = rep.committed
+            d.last_error = ""
             record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
             record.bytes, record.requests_during = rep.bytes, rep.requests_during
             record.tensors = len(names) if names else len(dst.tensors)
@@ -319,14 +399,15 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
         except (UpdateFailed, WorkerError, LayoutError) as e:
             msg = str(e)
-            self.phase = "ABORT"
-            self.last_error = f"update {_v(version)}: {msg}"
+            self.phase = d.phase = "ABORT"
+            self.last_error = f"update {_v(version)}: {msg}" if len(self.deployments) == 1 else f"update {_v(version)} on {d.address}: {msg}"
+            d.last_error = msg
             log.error("update %s failed: %s", _v(version), msg)
             self.hub.send_all(abort=wpb.Abort(update_id=uid, reason=msg))
-            self._session = None
+            d.session = None
             if began:
                 try:
-                    await self._stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg), timeout=self.deadlines.rpc_s)
+                    await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg), timeout=self.deadlines.rpc_s)
                 except grpc.aio.AioRpcError as e2:
                     log.warning("abort on inference failed: %s", status_error(e2))
             record.ok, record.error, record.seconds = False, msg, time.monotonic() - t0
@@ -336,7 +417,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.history = self.history[-100:]
 
 
-async def serve(listen: str, workers: int, model: str, inference: str, *, seed: int = 0, run: str = "",
+async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "") -> int:
     deadlines = deadlines or Deadlines()
@@ -357,7 +438,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
     server, hs, port = await start_server(listen, register)
     addr = f"{local}:{port}"
     print(f"trainer_svc listening on {addr} (run {run})", file=sys.stderr, flush=True)
-    log.info("trainer_svc on %s: model %s, %d workers, inference %s, run %s", addr, model, workers, inference, run)
+    log.info("trainer_svc on %s: model %s, %d workers, inference %s, run %s", addr, model, workers, ", ".join(inference) or "none", run)
     runner = asyncio.get_running_loop().create_task(ctl.runner())
     def command(rank: int) -> list[str]:
         cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", addr, "--rank", str(rank),
@@ -377,7 +458,7 @@ async def serve(listen: str, workers: int, model: str, inference: str, *, seed: 
     return 0
 
 
-def main(listen: str, workers: int, model: str, inference: str, seed: int, run: str, deadlines: Deadlines,
+def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,

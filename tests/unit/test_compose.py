@@ -89,7 +89,7 @@ def test_a_bad_command_is_rejected():
     with pytest.raises(pytest.fail.Exception, match="malformed trainer address"):
         parse_command("bad", ["update", "--trainer", "trainer"])
     with pytest.raises(pytest.fail.Exception, match="service 'bad'"):
-        parse_command("bad", ["trainer", "--listen", "0.0.0.0:50051"])  # --inference is required
+        parse_command("bad", ["trainer", "--listen", "0.0.0.0:50051", "--inference", "nohost"])  # no port
     with pytest.raises(pytest.fail.Exception, match="list of strings"):
         parse_command("bad", "inference --listen 0.0.0.0:50052")
     with pytest.raises(pytest.fail.Exception, match="list of strings"):
@@ -104,7 +104,8 @@ def test_demo_shape(parsed):
 
 
 def test_trainer_points_at_the_inference_service(services, parsed):
-    host, port = parse_address(parsed["trainer"].inference)
+    assert len(parsed["trainer"].inference) == 1
+    host, port = parse_address(parsed["trainer"].inference[0])
     assert host == "inference" and host in services
     assert port == parse_address(parsed["inference"].listen)[1]
 

@@ -1,0 +1,68 @@
+"""One trainer, two inference deployments (one with two DP replicas that relay), each
+with its own session: a deployment that dies does not stop the other from updating."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from .cluster import Cluster, cli, free_port
+
+pytestmark = pytest.mark.integration
+
+NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight", "lm_head.weight",
+         "model.layers.1.self_attn.v_proj.weight"]
+
+
+def dump_from(addr: str, name: str):
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+        cli("dump", "--inference", addr, "--tensor", name, "--out", f.name, check=True, timeout=60)
+        d = torch.load(f.name)
+    return d["tensor"], d["version"]
+
+
+def test_two_deployments_with_relays():
+    c = Cluster("small")  # deployment A: vLLM TP=4
+    b_addr = f"127.0.0.1:{free_port()}"
+    b = subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", b_addr, "--model", "small",
+                          "--layout", "framework=vllm,tp=2,dp=2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        r = cli("attach", "--trainer", c.tr, "--inference", b_addr, check=True)
+        assert b_addr in r.stdout
+        rc, out, err = c.update()
+        assert rc == 0, err + c.logs()
+        step = out["committed"]["step"]
+        for name in NAMES:
+            for addr in (c.inf, b_addr):
+                got, version = dump_from(addr, name)
+                assert version["step"] == step and torch.equal(got, c.expected(name, step)), (addr, name)
+        st = json.loads(cli("status", "--trainer", c.tr, "--json", check=True).stdout)
+        assert {d["address"] for d in st["deployments"]} == {c.inf, b_addr}
+        assert all(int(d["committed"]["step"]) == step for d in st["deployments"])
+        # Deployment B dies: the update fails there, and still reaches A.
+        os.killpg(b.pid, signal.SIGKILL)
+        b.wait()
+        rc, out, err = c.update()
+        assert rc != 0 and b_addr in ((out or {}).get("error", "") + err)
+        st = json.loads(cli("status", "--trainer", c.tr, "--json", check=True).stdout)
+        a_state = next(d for d in st["deployments"] if d["address"] == c.inf)
+        assert int(a_state["committed"]["step"]) == step + 1
+        got, version = dump_from(c.inf, NAMES[0])
+        assert version["step"] == step + 1 and torch.equal(got, c.expected(NAMES[0], step + 1))
+        # Detached, it no longer holds updates back.
+        cli("detach", "--trainer", c.tr, "--inference", b_addr, check=True)
+        rc, out, err = c.update()
+        assert rc == 0, err
+        assert out["committed"]["step"] == step + 2
+        r = cli("detach", "--trainer", c.tr, "--inference", b_addr)
+        assert r.returncode == 2 and "NOT_FOUND" in r.stderr
+    finally:
+        if b.poll() is None:
+            os.killpg(b.pid, signal.SIGKILL)
+        c.close()
