@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .checksum import P, box_checksum
+from .checksum import box_checksum
 from .engine import Engine, StagingPool
 from .layout import Box, Layout, LocalBuffer, Piece, dtype_of
 from .planner import PlanOptions, make_plan

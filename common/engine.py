@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .checksum import P, box_checksum
-from .layout import Box, dtype_of
+from .layout import dtype_of
 from .planner import Message, Plan, Segment, Side
 from .transport import Transport, TransportError, Work
 

@@ -17,7 +17,6 @@ Canonical names are Hugging Face's. Spec strings read `framework=megatron,tp=2,p
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from .layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
 from .placement import chunk_sizes

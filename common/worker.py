@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import torch

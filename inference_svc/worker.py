@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import torch

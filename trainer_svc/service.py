@@ -274,8 +274,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         session, so one that fails or restarts does not abort the others."""
         if not self.deployments:
             msg = "no inference deployment is attached (reshard attach, or trainer --inference)"
-            self.last_error = f"update {_v(version)}: {msg}" if len(self.deployments) == 1 else f"update {_v(version)} on {d.address}: {msg}"
-            d.last_error = msg
+            self.last_error = f"update {_v(version)}: {msg}"
             return pb.UpdateOutcome(ok=False, error=msg, record=pb.UpdateRecord(version=version, ok=False, error=msg))
         outs = []
         for d in list(self.deployments.values()):

@@ -27,6 +27,7 @@ class SyntheticTrainer(TrainerWorker):
         super().__init__(*args, **kw)
         self.seed, self.step, self.layout_fault = seed, 0, layout_fault
         self._fill(init=True)
+        self._apply_fault()
 
     def _fill(self, init: bool) -> None:
         for name, desc in self.descs.items():
@@ -38,35 +39,12 @@ class SyntheticTrainer(TrainerWorker):
                     init_box(view, self.seed, p.tensor, p.box.offset, shape)
                 else:
                     advance_box(view, self.seed, p.tensor, self.step, p.box.offset, shape)
-        if self.layout_fault == "swap-kv":
-            # A deliberately wrong interleave: the first group's k and v rows trade places,
-            # while the layout still declares them in Megatron's order.
-            for name, desc in self.descs.items():
-                if name.endswith("linear_qkv.weight"):
-                    k = next(p for p in desc.pieces if ".k_proj" in p.tensor)
-                    v = next(p for p in desc.pieces if ".v_proj" in p.tensor)
-                    kk = k.view(self.live[name]).clone()
-                    k.view(self.live[name]).copy_(v.view(self.live[name]))
-                    v.view(self.live[name]).copy_(kk)
 
-    async def _on_step(self, s: wpb.Step, cid: int) -> dict:
-        if s.version.step < self.step:
-            raise ValueError(f"step {s.version.step} is behind this worker's step {self.step}")
-        loop = asyncio.get_running_loop()
-
-        def work() -> None:
-            if self.layout_fault == "swap-kv":
-                self._fill_swapped_back()
-            while self.step < s.version.step:
-                self.step += 1
-                self._fill(init=False)
-            self.publish(self.step, s.version.run)
-
-        await loop.run_in_executor(self._dp, work)
-        return {}
-
-    def _fill_swapped_back(self) -> None:
-        saved, self.layout_fault = self.layout_fault, ""
+    def _apply_fault(self) -> None:
+        """swap-kv: a deliberately wrong interleave, the first group's k and v rows trade places
+        while the layout still declares them in Megatron's order. Applying it twice undoes it."""
+        if self.layout_fault != "swap-kv":
+            return
         for name, desc in self.descs.items():
             if name.endswith("linear_qkv.weight"):
                 k = next(p for p in desc.pieces if ".k_proj" in p.tensor)
@@ -74,7 +52,22 @@ class SyntheticTrainer(TrainerWorker):
                 kk = k.view(self.live[name]).clone()
                 k.view(self.live[name]).copy_(v.view(self.live[name]))
                 v.view(self.live[name]).copy_(kk)
-        self.layout_fault = saved
+
+    async def _on_step(self, s: wpb.Step, cid: int) -> dict:
+        if s.version.step < self.step:
+            raise ValueError(f"step {s.version.step} is behind this worker's step {self.step}")
+        loop = asyncio.get_running_loop()
+
+        def work() -> None:
+            self._apply_fault()  # undo, so the optimizer steps the true weights
+            while self.step < s.version.step:
+                self.step += 1
+                self._fill(init=False)
+            self._apply_fault()
+            self.publish(self.step, s.version.run)
+
+        await loop.run_in_executor(self._dp, work)
+        return {}
 
 
 def main(argv: list[str] | None = None) -> int:

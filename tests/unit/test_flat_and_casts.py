@@ -35,7 +35,8 @@ from reshard.common.layout import (
     itemsize,
 )
 from reshard.common.planner import PlanOptions, make_plan
-from reshard.common.transport import Transport, Work
+
+from .loopback import Loopback
 
 FLOAT_DTYPES = ("float32", "bfloat16")
 GARBAGE = -4096.0  # undeclared gaps of source buffers (never a canonical value)
@@ -416,31 +417,6 @@ def test_flat_layouts_exact_and_exactly_once(sc: Scenario, opts: PlanOptions):
     run_and_check(sc, opts)
 
 
-class _Done(Work):
-    def wait(self, timeout_s: float) -> None:
-        return None
-
-
-class _Loopback(Transport):
-    """In-process point-to-point; a message must fill the posted receive exactly."""
-
-    name = "loopback"
-
-    def __init__(self, rank: int, wire: dict) -> None:
-        self.rank, self.wire = rank, wire
-
-    def send(self, buf, peer, tag):
-        self.wire[(self.rank, peer, tag)] = buf.clone()
-        return _Done()
-
-    def recv(self, buf, peer, tag):
-        sent = self.wire.pop((peer, self.rank, tag))
-        assert sent.numel() == buf.numel(), f"rank {peer} sent {sent.numel()} bytes (tag {tag}) into {buf.numel()}"
-        buf.copy_(sent)
-        return _Done()
-
-    def close(self) -> None:
-        pass
 
 
 def run_engines(plan, src: Layout, dst: Layout, sbufs, dbufs, shapes) -> None:
@@ -449,11 +425,11 @@ def run_engines(plan, src: Layout, dst: Layout, sbufs, dbufs, shapes) -> None:
     deadline = time.monotonic() + 60
     sent: dict = defaultdict(int)
     for r in range(src.world):
-        for k, c in Engine(_Loopback(r, wire), plan, "src", r, sbufs[r], shapes, StagingPool(), deadline).run().items():
+        for k, c in Engine(Loopback(r, wire), plan, "src", r, sbufs[r], shapes, StagingPool(), deadline).run().items():
             sent[k] = (sent[k] + c) % P
     sent = plan.expected_checksums(sent)  # replicas fed by relays mirror their primary
     for d in range(dst.world):
-        Engine(_Loopback(src.world + d, wire), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline).run()
+        Engine(Loopback(src.world + d, wire), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline).run()
         pieces = {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
         got = receiver_checksums(plan, d, dbufs[d], pieces, shapes)
         assert got == {k: v for k, v in sent.items() if k[0] == d}, f"dst rank {d}: checksums differ"

@@ -45,7 +45,7 @@ def megatron_buffers(cfg, tp, full):
 
 
 def expected_vllm(cfg, tp, full, r):
-    h, hd = cfg.hidden, cfg.head_dim
+    hd = cfg.head_dim
     reps = max(1, tp // cfg.kv_heads)
     kvn = max(1, cfg.kv_heads // tp)
     kv0 = (r // reps) * kvn

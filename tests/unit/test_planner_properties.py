@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from reshard.common.engine import Engine, StagingPool, execute_in_memory
 from reshard.common.layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, dtype_of, itemsize
 from reshard.common.planner import ALIGN, PlanOptions, make_plan
-from reshard.common.transport import Transport, Work
+
+from .loopback import Loopback
 
 FLOAT_DTYPES = ("float32", "bfloat16")
 SRC_GARBAGE = -4096.0  # fills undeclared gap rows of source buffers (never a canonical value)
@@ -425,32 +426,6 @@ def test_staged_bytes_bound_with_unaligned_bucket():
     assert max(m.staged_bytes for m in plan.messages) <= opts.bucket_bytes
 
 
-class _Done(Work):
-    def wait(self, timeout_s: float) -> None:
-        return None
-
-
-class _Loopback(Transport):
-    """In-process point-to-point with gloo's size rule: a message may not exceed the posted receive."""
-
-    name = "loopback"
-
-    def __init__(self, rank: int, wire: dict) -> None:
-        self.rank, self.wire = rank, wire
-
-    def send(self, buf, peer, tag):
-        self.wire[(self.rank, peer, tag)] = buf.clone()
-        return _Done()
-
-    def recv(self, buf, peer, tag):
-        sent = self.wire.pop((peer, self.rank, tag))
-        assert sent.numel() == buf.numel(), (
-            f"rank {peer} sent {sent.numel()} bytes (tag {tag}) into a {buf.numel()}-byte receive")
-        buf[: sent.numel()].copy_(sent)
-        return _Done()
-
-    def close(self) -> None:
-        pass
 
 
 def test_engine_half_direct_message_sizes_match():
@@ -467,8 +442,8 @@ def test_engine_half_direct_message_sizes_match():
     dbuf = torch.full((3, 7), float("nan"))
     wire: dict = {}
     deadline = time.monotonic() + 30
-    Engine(_Loopback(0, wire), plan, "src", 0, {"s": sbuf}, {"w": (3, 7)}, StagingPool(), deadline).run()
-    Engine(_Loopback(1, wire), plan, "dst", 0, {"w": dbuf}, {"w": (3, 7)}, StagingPool(), deadline).run()
+    Engine(Loopback(0, wire), plan, "src", 0, {"s": sbuf}, {"w": (3, 7)}, StagingPool(), deadline).run()
+    Engine(Loopback(1, wire), plan, "dst", 0, {"w": dbuf}, {"w": (3, 7)}, StagingPool(), deadline).run()
     assert torch.equal(dbuf, full)
 
 
