@@ -449,7 +449,7 @@ def test_flat_generator_covers_the_interesting_cases():
     boundaries, ranges cutting rows, declared padding and direct messages."""
     seen = Counter()
 
-    @settings(max_examples=100)  # plan only: cheap
+    @settings(max_examples=300, derandomize=True)  # plan only: cheap; fixed examples, so it cannot flake
     @given(sc=scenarios(), opts=plan_options())
     def probe(sc, opts):
         for side in (sc.src_side, sc.dst_side):
@@ -486,9 +486,11 @@ def test_flat_generator_covers_the_interesting_cases():
 def test_cast_master_weights_to_bf16(sc: Scenario, opts: PlanOptions):
     assert sc.src_side.dtype == "float32" and sc.dst_side.dtype == "bfloat16"
     plan = run_and_check(sc, opts)  # expected: the float32 masters .to(torch.bfloat16), sliced
-    assert not any(m.send_direct for m in plan.messages), "a cast segment must be packed on the sender"
+    assert not any(m.send_direct for m in plan.messages if not m.relay), "a cast segment must be packed on the sender"
     for m in plan.messages:
-        assert all((s.src_dtype, s.dst_dtype) == ("float32", "bfloat16") for s in m.segments)
+        # Relays forward what a replica already holds: bf16 to bf16.
+        want = ("bfloat16", "bfloat16") if m.relay else ("float32", "bfloat16")
+        assert all((s.src_dtype, s.dst_dtype) == want for s in m.segments)
     with pytest.raises(LayoutError, match="declare a cast"):
         make_plan(dataclasses.replace(sc.src, allow_casts=False), sc.dst, opts)
 
@@ -496,7 +498,7 @@ def test_cast_master_weights_to_bf16(sc: Scenario, opts: PlanOptions):
 @given(sc=scenarios(cast="dst", directions=DIRECTIONS + ("boxed->boxed",)), opts=plan_options())
 def test_cast_bf16_to_float32_destination(sc: Scenario, opts: PlanOptions):
     plan = run_and_check(sc, opts)
-    assert not any(m.send_direct for m in plan.messages)
+    assert not any(m.send_direct for m in plan.messages if not m.relay)
     with pytest.raises(LayoutError, match="declare a cast"):
         make_plan(sc.src, dataclasses.replace(sc.dst, allow_casts=False), opts)
 
