@@ -316,7 +316,11 @@ class Layout:
     # -- validation --------------------------------------------------------------------
     def validate(self, side: str = "layout", require_full_buffers: bool = True) -> None:
         """Raise LayoutError naming the tensor, the rank and the problem."""
+        seen: set[tuple[LocalBuffer, ...]] = set()
         for rank, bufs in enumerate(self.ranks):
+            if bufs in seen:
+                continue  # replicas (DP copies) hold identical buffers: checked once, at the first rank
+            seen.add(bufs)
             names = set()
             for buf in bufs:
                 where = f"{side} rank {rank} buffer {buf.name!r}"
