@@ -133,6 +133,8 @@ class Plan:
     relay_sends: dict[int, list[Message]] = dataclasses.field(default_factory=dict)
     primary_of: dict[int, int] = dataclasses.field(default_factory=dict)
     """Destination rank -> the replica whose pieces (and expected checksums) it mirrors."""
+    relay_pieces: dict[int, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+    """Destination rank -> the (buffer, piece) it receives through relays (to verify them)."""
 
     @property
     def total_bytes(self) -> int:
@@ -160,10 +162,15 @@ class Plan:
         return sum(m.nbytes for m in self.recvs.get(dst, ()))
 
     def expected_pieces(self, dst: int) -> dict[tuple[str, int], list[Segment]]:
+        """The destination pieces this rank receives (to checksum), with their source segments
+        (none listed for pieces that arrive inside a whole-buffer relay)."""
         out: dict[tuple[str, int], list[Segment]] = defaultdict(list)
         for m in self.recvs.get(dst, ()):
             for s in m.segments:
-                out[(s.dst_buffer, s.dst_piece)].append(s)
+                if s.dst_piece >= 0:
+                    out[(s.dst_buffer, s.dst_piece)].append(s)
+        for key in self.relay_pieces.get(dst, ()):
+            out.setdefault(key, [])
         return out
 
 
@@ -297,14 +304,22 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
         num_rounds = max(num_rounds, max(m.round for m in msgs) + 1)
     # Relays: replicas forward what they hold, in rounds after every source round, along a
     # binomial tree per replica group (the holders double each step).
+    relay_pieces: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for step_pairs in _relay_steps(primary_of):
         step_rounds = 0
         for a, b in step_pairs:
             segs = []
             for buf in dst.ranks[b]:
-                for pi, p in enumerate(buf.pieces):
-                    if tensors is not None and p.tensor not in tensors:
-                        continue
+                picked = [(pi, p) for pi, p in enumerate(buf.pieces) if tensors is None or p.tensor in tensors]
+                relay_pieces[b] += [(buf.name, pi) for pi, _ in picked]
+                if tensors is None:
+                    # A whole update: the buffer's non-padding bytes in a few contiguous runs
+                    # (raw segments: dst_piece -1, a 1-D box over the flattened buffer).
+                    for start, n in _payload_ranges(buf):
+                        side = Side(buf.name, start, (1,))
+                        segs.append(Segment("", Box((0,), (n,)), side, side, -1, buf.dtype, buf.dtype))
+                    continue
+                for pi, p in picked:
                     start, strides = p.base(buf.shape)
                     side = Side(buf.name, start, strides)
                     segs.append(Segment(p.tensor, p.box, side, side, pi, buf.dtype, buf.dtype))
@@ -322,7 +337,31 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
         (relay_sends if m.relay else sends)[m.src].append(m)
         recvs[m.dst].append(m)
     return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages, tensors), dict(sends), dict(recvs),
-                dict(relay_sends), {r: p for r, p in primary_of.items() if r != p})
+                dict(relay_sends), {r: p for r, p in primary_of.items() if r != p}, dict(relay_pieces))
+
+
+def _flat_runs(box: Box, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A box of a tensor as contiguous (start, count) runs of its flattened elements."""
+    rng = box.contiguous_range(shape)
+    if rng is not None or box.numel == 0:
+        return [rng] if rng and rng[1] else []
+    runs = []
+    for r in range(box.offset[0], box.end[0]):
+        runs += _flat_runs(Box((r, *box.offset[1:]), (1, *box.size[1:])), shape)
+    return runs
+
+
+def _payload_ranges(buf) -> list[tuple[int, int]]:
+    """The buffer's elements outside declared padding, as contiguous (start, count) runs."""
+    pads = sorted(run for p in buf.padding for run in _flat_runs(p, buf.shape))
+    out, pos = [], 0
+    for start, n in pads:
+        if start > pos:
+            out.append((pos, start - pos))
+        pos = max(pos, start + n)
+    if pos < buf.numel:
+        out.append((pos, buf.numel - pos))
+    return out
 
 
 def _replica_groups(dst: Layout) -> dict[int, int]:
@@ -417,5 +456,5 @@ def _digest(src: Layout, dst: Layout, messages: list[Message], tensors: set[str]
     for m in messages:
         h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}{int(m.relay)}".encode())
         for s in m.segments:
-            h.update(f"|{s.tensor}{s.box}{s.src}{s.dst}".encode())
+            h.update(f"|{s.tensor}{s.box}{s.src}{s.dst}{s.dst_piece}".encode())
     return h.hexdigest()[:16]

@@ -70,10 +70,22 @@ class Cluster:
         return "\n".join(out)
 
     def status(self, side: str = "inference") -> dict:
-        r = cli("status", f"--{side}", self.inf if side == "inference" else self.tr, "--json", timeout=30)
-        if r.returncode != 0:
-            raise RuntimeError(r.stderr)
-        return json.loads(r.stdout)
+        """GetStatus over gRPC from this process (the CLI's `status --json` prints the same fields;
+        a direct call keeps polling fast enough to strike while a transfer is running)."""
+        import grpc
+        from google.protobuf import json_format
+
+        from reshard.proto import reshard_pb2 as pb
+        from reshard.proto import reshard_pb2_grpc as rgrpc
+
+        addr = self.inf if side == "inference" else self.tr
+        with grpc.insecure_channel(addr) as ch:
+            stub = rgrpc.InferenceServiceStub(ch) if side == "inference" else rgrpc.TrainerServiceStub(ch)
+            try:
+                st = stub.GetStatus(pb.StatusRequest(), timeout=10)
+            except grpc.RpcError as e:
+                raise RuntimeError(str(e)) from None
+        return json_format.MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     def wait_for(self, pred, timeout: float = 90, side: str = "inference", what: str = "condition") -> dict:
         t0 = time.monotonic()
@@ -85,7 +97,7 @@ class Cluster:
                     return last
             except RuntimeError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}; last status {last}\n{self.logs()}")
 
     def wait_serving(self) -> None:
