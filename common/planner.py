@@ -303,31 +303,32 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
         messages += msgs
         num_rounds = max(num_rounds, max(m.round for m in msgs) + 1)
     # Relays: replicas forward what they hold, in rounds after every source round, along a
-    # binomial tree per replica group (the holders double each step).
+    # pipelined chain per replica group, so no replica's link carries the data more than once.
     relay_pieces: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    for step_pairs in _relay_steps(primary_of):
-        step_rounds = 0
-        for a, b in step_pairs:
-            segs = []
-            for buf in dst.ranks[b]:
-                picked = [(pi, p) for pi, p in enumerate(buf.pieces) if tensors is None or p.tensor in tensors]
-                relay_pieces[b] += [(buf.name, pi) for pi, _ in picked]
-                if tensors is None:
-                    # A whole update: the buffer's non-padding bytes in a few contiguous runs
-                    # (raw segments: dst_piece -1, a 1-D box over the flattened buffer).
-                    for start, n in _payload_ranges(buf):
-                        side = Side(buf.name, start, (1,))
-                        segs.append(Segment("", Box((0,), (n,)), side, side, -1, buf.dtype, buf.dtype))
-                    continue
-                for pi, p in picked:
-                    start, strides = p.base(buf.shape)
-                    side = Side(buf.name, start, strides)
-                    segs.append(Segment(p.tensor, p.box, side, side, pi, buf.dtype, buf.dtype))
-            if segs:
-                msgs = _pair_messages(a, b, segs, options, bucket, num_rounds, True)
-                messages += msgs
-                step_rounds = max(step_rounds, max(m.round for m in msgs) + 1 - num_rounds)
-        num_rounds += step_rounds
+    relay_end = num_rounds
+    for link, a, b in _relay_chains(primary_of):
+        segs = []
+        for buf in dst.ranks[b]:
+            picked = [(pi, p) for pi, p in enumerate(buf.pieces) if tensors is None or p.tensor in tensors]
+            relay_pieces[b] += [(buf.name, pi) for pi, _ in picked]
+            if tensors is None:
+                # A whole update: the buffer's non-padding bytes in a few contiguous runs
+                # (raw segments: dst_piece -1, a 1-D box over the flattened buffer).
+                for start, n in _payload_ranges(buf):
+                    side = Side(buf.name, start, (1,))
+                    segs.append(Segment("", Box((0,), (n,)), side, side, -1, buf.dtype, buf.dtype))
+                continue
+            for pi, p in picked:
+                start, strides = p.base(buf.shape)
+                side = Side(buf.name, start, strides)
+                segs.append(Segment(p.tensor, p.box, side, side, pi, buf.dtype, buf.dtype))
+        if segs:
+            # Link k of a chain runs one round behind link k-1: message j leaves a replica the
+            # round after it arrived there, so every link carries the data once, pipelined.
+            msgs = _pair_messages(a, b, segs, options, bucket, num_rounds + link, True)
+            messages += msgs
+            relay_end = max(relay_end, max(m.round for m in msgs) + 1)
+    num_rounds = relay_end
 
     messages.sort(key=lambda m: (m.round, m.relay, m.src, m.dst, m.tag))
     sends: dict[int, list[Message]] = defaultdict(list)
@@ -373,28 +374,17 @@ def _replica_groups(dst: Layout) -> dict[int, int]:
     return out
 
 
-def _relay_steps(primary_of: dict[int, int]) -> list[list[tuple[int, int]]]:
-    """Binomial-tree relay steps: in each step every holder forwards to one replica still waiting."""
+def _relay_chains(primary_of: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(link index, from, to) along one chain per replica group: primary -> r1 -> r2 -> ..."""
     groups: dict[int, list[int]] = defaultdict(list)
     for r, p in sorted(primary_of.items()):
         if r != p:
             groups[p].append(r)
-    steps: list[list[tuple[int, int]]] = []
-    for p, waiting in sorted(groups.items()):
-        holders, waiting, s = [p], list(waiting), 0
-        while waiting:
-            if len(steps) <= s:
-                steps.append([])
-            new = []
-            for h in holders:
-                if not waiting:
-                    break
-                b = waiting.pop(0)
-                steps[s].append((h, b))
-                new.append(b)
-            holders += new
-            s += 1
-    return steps
+    out = []
+    for p, reps in sorted(groups.items()):
+        chain = [p, *reps]
+        out += [(k, chain[k], chain[k + 1]) for k in range(len(reps))]
+    return out
 
 
 def _pair_messages(srank: int, drank: int, segments: list[Segment], options: PlanOptions, bucket: int,

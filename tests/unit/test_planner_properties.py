@@ -245,12 +245,34 @@ def check_rounds(plan) -> None:
             rounds = [m.round for m in ms]
             assert rounds == sorted(rounds), f"rank {rank}: rounds out of order {rounds}"
             assert all((m.src if side is not plan.recvs else m.dst) == rank for m in ms)
-    # A relay leaves its rank only after everything that rank receives from the sources.
-    for r, ms in plan.relay_sends.items():
-        first_relay = min(m.round for m in ms)
-        assert all(m.round < first_relay for m in plan.recvs.get(r, []))
+    check_relays_forward_what_arrived(plan)
     assert plan.num_rounds == max((m.round + 1 for m in plan.messages), default=0)
     simulate_rounds(plan)
+
+
+def check_relays_forward_what_arrived(plan) -> None:
+    """Every element a relay sends in round t landed on the relaying rank in a round before t."""
+    if not plan.relay_sends:
+        return
+    arrived: dict = {}
+
+    def stamp(rank, seg):
+        n = seg.dst.start + 1 + sum((d - 1) * st for d, st in zip(seg.box.size, seg.dst.strides))
+        t = arrived.setdefault((rank, seg.dst.buffer), torch.full((max(n, 1),), 1 << 30, dtype=torch.int64))
+        if t.numel() < n:
+            t = torch.cat([t, torch.full((n - t.numel(),), 1 << 30, dtype=torch.int64)])
+            arrived[(rank, seg.dst.buffer)] = t
+        return t
+
+    for m in sorted(plan.messages, key=lambda m: m.round):
+        for seg in m.segments:
+            stamp(m.dst, seg)
+            seg.dst.view(arrived[(m.dst, seg.dst.buffer)], seg.box.size).fill_(m.round)
+    for r, ms in plan.relay_sends.items():
+        for m in ms:
+            for seg in m.segments:
+                got = seg.src.view(arrived[(r, seg.src.buffer)], seg.box.size)
+                assert bool((got < m.round).all()), f"rank {r} relays in round {m.round} bytes that arrive later"
 
 
 def simulate_rounds(plan) -> None:
@@ -568,3 +590,30 @@ def test_generator_covers_fusion_padding_gaps_replication():
 
     probe()
     assert all(seen[k] > 0 for k in ("fused", "padding", "gap", "replicated")), seen
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 5])
+def test_relay_chain_with_many_replicas(replicas):
+    """Replicas of one shard: the source sends each byte once, every replica's link carries it
+    at most once, relays only forward what already arrived, and every replica ends exact."""
+    specs = {"a": TensorSpec("a", (64, 33), "float32"), "b": TensorSpec("b", (40,), "float32")}
+    src = Layout(specs, (tuple(_one(n, s.shape) for n, s in specs.items()),))
+    rank = (
+        LocalBuffer("fused", (64 + 8, 33), "float32", (Piece("a", Box((0, 0), (64, 33)), Box.full((64, 33))),),
+                    (Box((64, 0), (8, 33)),)),
+        _one("b", (40,)),
+    )
+    dst = Layout(specs, tuple(rank for _ in range(replicas)))
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=4096, direct_min_bytes=512, max_message_bytes=4096))
+    check_rounds(plan)
+    payload = sum(s.nbytes for s in specs.values())
+    assert plan.source_bytes == payload
+    assert sorted(plan.primary_of) == list(range(1, replicas))
+    for r in range(replicas):
+        assert sum(m.nbytes for m in plan.relay_sends.get(r, [])) <= payload
+    full = {n: torch.randn(s.shape) for n, s in specs.items()}
+    got = [{"fused": torch.full((72, 33), float("nan")), "b": torch.full((40,), float("nan"))} for _ in range(replicas)]
+    execute_in_memory(plan, [{n: t.clone() for n, t in full.items()}], got)
+    for g in got:
+        assert torch.equal(g["fused"][:64], full["a"]) and torch.isnan(g["fused"][64:]).all()
+        assert torch.equal(g["b"], full["b"])
