@@ -201,12 +201,13 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
 def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
     """One side's layout, assembled from the rank layouts its workers declared in their hello."""
-    tensors, ranks = {}, []
+    tensors, ranks, casts = {}, [], False
     for c in sorted(conns, key=lambda c: c.rank):
         part = Layout.from_bytes(c.hello.rank_layout)
+        casts |= part.allow_casts
         for n, t in part.tensors.items():
             if tensors.setdefault(n, t) != t:
                 raise LayoutError(f"tensor {n!r}: {c.hello.role} rank {c.rank} declares {list(t.shape)} {t.dtype}, "
                                   f"another rank {list(tensors[n].shape)} {tensors[n].dtype}")
         ranks.append(part.ranks[0])
-    return Layout(tensors, tuple(ranks))
+    return Layout(tensors, tuple(ranks), allow_casts=casts)

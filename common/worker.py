@@ -32,9 +32,9 @@ from .transport import Transport, TransportError, transport_class
 log = logging.getLogger("reshard.worker")
 
 
-def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer]) -> bytes:
+def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer], allow_casts: bool = False) -> bytes:
     used = {p.tensor for b in buffers for p in b.pieces}
-    return Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),)).to_bytes()
+    return Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts).to_bytes()
 
 
 class WorkerBase:
@@ -45,7 +45,7 @@ class WorkerBase:
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, model: str = "",
-                 fault: dict[str, float] | None = None) -> None:
+                 fault: dict[str, float] | None = None, allow_casts: bool = False) -> None:
         parse_address(controller, "controller address")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world}")
@@ -55,6 +55,7 @@ class WorkerBase:
             if not t.is_contiguous():
                 raise ValueError(f"buffer {name!r} must be contiguous")
         self.controller, self.rank, self.world, self.model = controller, rank, world, model
+        self.allow_casts = allow_casts  # buffers may hold tensors in another dtype (cast on the sender)
         self.tensors = tensors
         self.descs = {n: d for n, (d, _) in buffers.items()}
         self.live = {n: t for n, (_, t) in buffers.items()}
@@ -134,7 +135,7 @@ class WorkerBase:
 
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
-                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values())))
+                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts))
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host the workers use to reach this trainer's session store (default: the --listen host, "
                         "or 127.0.0.1 when it is a wildcard)")
     p.add_argument("--layout-fault", default="", choices=["", "swap-kv"], help=argparse.SUPPRESS)
+    p.add_argument("--master-dtype", default="", choices=["", "float32", "bfloat16", "float16"],
+                   help="standalone workers hold the weights in this dtype (e.g. float32 masters); a declared cast "
+                        "to the inference dtype, done on the sender")
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers: wait for --workers TrainerWorkers embedded in a training job to attach")
     deadlines(p)
@@ -291,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
-                       spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout)
+                       spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
+                       master_dtype=a.master_dtype)
     if a.command == "plan":
         from reshard.plan_cmd import main as plan_main
 

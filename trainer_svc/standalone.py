@@ -6,6 +6,7 @@ changes by a pseudo-random amount, see common/synth.py) and publishes it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import logging
 import os
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", required=True)
     ap.add_argument("--layout-fault", default="", choices=["", "swap-kv"])
     ap.add_argument("--layout", default="", help="layout spec, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all ranks)")
+    ap.add_argument("--master-dtype", default="", help="hold the weights in this dtype (e.g. float32 masters), cast on send")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s")
@@ -87,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     layout = build(a.model, a.layout or f"framework=megatron,tp={a.world}")
     if layout.world != a.world:
         raise SystemExit(f"layout {a.layout!r} has {layout.world} ranks, not {a.world}")
-    buffers = {d.name: (d, torch.zeros(d.shape, dtype=dtype_of(d.dtype))) for d in layout.ranks[a.rank]}
+    descs = layout.ranks[a.rank]
+    if a.master_dtype:
+        dtype_of(a.master_dtype)
+        descs = tuple(dataclasses.replace(d, dtype=a.master_dtype) for d in descs)
+    buffers = {d.name: (d, torch.zeros(d.shape, dtype=dtype_of(d.dtype))) for d in descs}
     worker = SyntheticTrainer(a.controller, a.rank, a.world, layout.tensors, buffers, run=a.run, model=a.model,
-                              seed=a.seed, layout_fault=a.layout_fault, snapshot=False)
+                              seed=a.seed, layout_fault=a.layout_fault, snapshot=False,
+                              allow_casts=bool(a.master_dtype))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

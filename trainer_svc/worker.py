@@ -57,8 +57,8 @@ class TrainerWorker(WorkerBase):
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, run: str = "", snapshot: bool = False,
-                 model: str = "", fault: dict[str, float] | None = None) -> None:
-        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault)
+                 model: str = "", fault: dict[str, float] | None = None, allow_casts: bool = False) -> None:
+        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, allow_casts=allow_casts)
         self.run_id = run
         self.snapshot = {n: torch.empty_like(t) for n, t in self.live.items()} if snapshot else None
         self._handles: list[PublishHandle] = []

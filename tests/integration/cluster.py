@@ -38,7 +38,7 @@ class Cluster:
     def __init__(self, model: str = "small", *, inference_workers: int = 4, trainer_workers: int = 2,
                  trainer_model: str | None = None, update_timeout: float = 60, bucket_bytes: int = 0,
                  inference_env: dict | None = None, inference_mode: str = "shadow", layout_fault: str = "", seed: int = 0,
-                 trainer_layout: str = "", inference_layout: str = ""):
+                 trainer_layout: str = "", inference_layout: str = "", trainer_args: tuple[str, ...] = ()):
         self.model, self.seed = model, seed
         self.inf = f"127.0.0.1:{free_port()}"
         self.tr = f"127.0.0.1:{free_port()}"
@@ -58,6 +58,7 @@ class Cluster:
             tr += ["--bucket-bytes", str(bucket_bytes)]
         if layout_fault:
             tr += ["--layout-fault", layout_fault]
+        tr += list(trainer_args)
         self.procs.append(subprocess.Popen(tr, env=dict(os.environ, RESHARD_LOG_LEVEL="INFO"), stdout=subprocess.DEVNULL,
                                            stderr=open(f"{self.logdir}/trainer.log", "w"), start_new_session=True))
         self.wait_serving()

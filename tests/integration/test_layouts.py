@@ -39,3 +39,31 @@ def test_layout_pair_end_to_end(model, src, dst):
             assert torch.equal(got, c.expected(name, step)), f"{name} differs"
     finally:
         c.close()
+
+
+def test_fp32_master_weights_cast_on_the_sender():
+    """A declared cast end to end: the trainer holds float32 masters (its own optimizer
+    trajectory), inference receives bfloat16 = the masters rounded, verified by checksums."""
+    from reshard.common.synth import tensor_value
+
+    c = Cluster("small", trainer_args=("--master-dtype", "float32"))
+    try:
+        for _ in range(2):
+            rc, out, err = c.update()
+            assert rc == 0, err + c.logs()
+            assert out["verified"]
+        step = out["committed"]["step"]
+        spec = model_spec("small").tensors()
+        for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.2.mlp.up_proj.weight", "lm_head.weight"):
+            got, _ = c.dump(name)
+            want = tensor_value(c.seed, name, step, spec[name].shape, torch.float32).to(torch.bfloat16)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+            # Not the bf16-trained trajectory: the masters really were float32.
+            assert not torch.equal(got, c.expected(name, step))
+        rc, out, err = c.update("--mode", "serialized")  # the baseline casts during its gather
+        assert rc == 0, err
+        got, _ = c.dump("lm_head.weight")
+        want = tensor_value(c.seed, "lm_head.weight", out["committed"]["step"], spec["lm_head.weight"].shape, torch.float32)
+        assert torch.equal(got, want.to(torch.bfloat16))
+    finally:
+        c.close()
