@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -211,3 +212,44 @@ def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
                                   f"another rank {list(tensors[n].shape)} {tensors[n].dtype}")
         ranks.append(part.ranks[0])
     return Layout(tensors, tuple(ranks), allow_casts=casts)
+
+
+def local_host(listen: str) -> str:
+    """The host to reach a server listening on `listen` from this machine (wildcards -> loopback)."""
+    host = listen.rpartition(":")[0]
+    return "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+
+
+async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: str, stop: asyncio.Event,
+                           banner: Callable[[str], str], command: Callable[[str, int], list[str]] | None,
+                           background: tuple = ()) -> int:
+    """Run a controller until `stop`: its gRPC service and the worker stream on one server (with
+    health and reflection), its background coroutines, and (when `command` is given) standalone
+    workers as supervised processes. Shutdown: health NOT_SERVING, workers stopped, server drained."""
+    from reshard.common.rpc import start_server, stop_server
+    from reshard.common.supervisor import Supervisor
+    from reshard.proto import worker_pb2_grpc as wgrpc
+
+    def register(server):
+        add_servicer(server)
+        wgrpc.add_WorkerControlServicer_to_server(hub, server)
+        return [service, wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
+
+    server, hs, port = await start_server(listen, register)
+    addr = f"{local_host(listen)}:{port}"
+    print(banner(addr), file=sys.stderr, flush=True)
+    log.info("%s", banner(addr))
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(coro) for coro in background]
+    sup = Supervisor(hub.role, hub.world, lambda rank: command(addr, rank)) if command else None
+    if sup:
+        tasks.append(loop.create_task(sup.run()))
+    await stop.wait()
+    log.info("%s controller shutting down", hub.role)
+    hub.stopping = True
+    if sup:
+        await sup.stop()
+    for t in tasks:
+        t.cancel()
+    await stop_server(server, hs)
+    return 0

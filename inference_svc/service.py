@@ -13,15 +13,13 @@ import time
 
 import grpc
 
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts
-from reshard.common.supervisor import Supervisor
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts, serve_controller
 from reshard.common.layout import Layout, LayoutError, dtype_of
 from reshard.common.planner import PlanOptions, make_plan
-from reshard.common.rpc import Deadlines, run_main, start_server, stop_server
+from reshard.common.rpc import Deadlines, run_main
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
-from reshard.proto import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("reshard.inference_svc")
 
@@ -307,18 +305,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     ctl = InferenceController(hub, model, deadlines)
     ctl.inplace = mode == "inplace"
 
-    def register(server):
-        rgrpc.add_InferenceServiceServicer_to_server(ctl, server)
-        wgrpc.add_WorkerControlServicer_to_server(hub, server)
-        return [pb.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-                wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
-
-    server, hs, port = await start_server(listen, register)
-    host = listen.rpartition(":")[0]
-    addr = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
-    log.info("inference_svc listening on %s (model %s, %d workers, %s mode)", addr, model, workers, mode)
-    print(f"inference_svc listening on {addr}", file=sys.stderr, flush=True)
-    def command(rank: int) -> list[str]:
+    def command(addr: str, rank: int) -> list[str]:
         return [sys.executable, "-m", "reshard.inference_svc.standalone", "--controller", addr, "--rank", str(rank),
                 "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode] + (["--layout", layout] if layout else [])
 
@@ -327,18 +314,11 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
             await asyncio.sleep(1.0)
             await ctl.expire()
 
-    dog = asyncio.get_running_loop().create_task(watchdog())
-    sup = Supervisor("inference", workers, command) if spawn_workers else None
-    task = asyncio.get_running_loop().create_task(sup.run()) if sup else None
-    await stop.wait()
-    log.info("inference_svc shutting down")
-    hub.stopping = True
-    dog.cancel()
-    if sup:
-        await sup.stop()
-        task.cancel()
-    await stop_server(server, hs)
-    return 0
+    return await serve_controller(
+        listen, hub, lambda server: rgrpc.add_InferenceServiceServicer_to_server(ctl, server),
+        pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, stop,
+        lambda addr: f"inference_svc listening on {addr} (model {model}, {workers} workers, {mode} mode)",
+        command if spawn_workers else None, (watchdog(),))
 
 
 def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True,

@@ -17,15 +17,13 @@ import uuid
 import grpc
 
 from reshard.common.checksum import P
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts
-from reshard.common.supervisor import Supervisor
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, merge_rank_layouts, serve_controller
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
-from reshard.common.rpc import Deadlines, channel, parse_address, run_main, start_server, status_error, stop_server
+from reshard.common.rpc import Deadlines, channel, parse_address, run_main, status_error
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
-from reshard.proto import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("reshard.trainer_svc")
 
@@ -423,40 +421,22 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
-    host = listen.rpartition(":")[0]
-    local = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
-    store_host = store_host or local
+    store_host = store_host or local_host(listen)
     ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes)
     ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
 
-    def register(server):
-        rgrpc.add_TrainerServiceServicer_to_server(ctl, server)
-        wgrpc.add_WorkerControlServicer_to_server(hub, server)
-        return [pb.DESCRIPTOR.services_by_name["TrainerService"].full_name,
-                wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
-
-    server, hs, port = await start_server(listen, register)
-    addr = f"{local}:{port}"
-    print(f"trainer_svc listening on {addr} (run {run})", file=sys.stderr, flush=True)
-    log.info("trainer_svc on %s: model %s, %d workers, inference %s, run %s", addr, model, workers, ", ".join(inference) or "none", run)
-    runner = asyncio.get_running_loop().create_task(ctl.runner())
-    def command(rank: int) -> list[str]:
+    def command(addr: str, rank: int) -> list[str]:
         cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", addr, "--rank", str(rank),
                "--world", str(workers), "--model", model, "--seed", str(seed), "--run", run]
         return (cmd + (["--layout-fault", layout_fault] if layout_fault else []) + (["--layout", layout] if layout else [])
                 + (["--master-dtype", master_dtype] if master_dtype else []))
 
-    sup = Supervisor("trainer", workers, command) if spawn_workers else None
-    task = asyncio.get_running_loop().create_task(sup.run()) if sup else None
-    await stop.wait()
-    log.info("trainer_svc shutting down")
-    hub.stopping = True
-    runner.cancel()
-    if sup:
-        await sup.stop()
-        task.cancel()
-    await stop_server(server, hs)
-    return 0
+    return await serve_controller(
+        listen, hub, lambda server: rgrpc.add_TrainerServiceServicer_to_server(ctl, server),
+        pb.DESCRIPTOR.services_by_name["TrainerService"].full_name, stop,
+        lambda addr: f"trainer_svc listening on {addr} (run {run}, model {model}, {workers} workers, "
+                     f"inference {', '.join(inference) or 'none'})",
+        command if spawn_workers else None, (ctl.runner(),))
 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
