@@ -69,7 +69,7 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
             return {}, eng.bytes_done, 0.0
         full = cache.get("full")
         if full is None or set(full) != set(src.tensors):
-            full = {t.name: torch.empty(t.shape, dtype=dtype_of(t.dtype)) for t in src.tensors.values()}
+            full = {t.name: torch.empty(t.shape, dtype=dtype_of(t.dtype), device=pool.device) for t in src.tensors.values()}
             cache["full"] = full
         local = [m for m in gplan.sends.get(0, [])]
         for m in local:  # rank 0's own shards: a local copy
@@ -103,7 +103,7 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
     largest = max(t.nbytes for t in dst.tensors.values())
     scratch = cache.get("scratch")
     if scratch is None or scratch.numel() < largest:
-        scratch = torch.empty(largest, dtype=torch.uint8)
+        scratch = torch.empty(largest, dtype=torch.uint8, device=pool.device)
         cache["scratch"] = scratch
     staging = pool.get(bucket_bytes)
     done = 0

@@ -10,6 +10,8 @@ destination piece, so the receiver can verify what it holds.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,16 +24,32 @@ from .planner import Message, Plan, Segment, Side
 from .transport import Transport, TransportError, Work
 
 
-class StagingPool:
-    """A grow-only uint8 buffer, allocated once and reused for every update."""
+log = logging.getLogger("reshard.engine")
 
-    def __init__(self) -> None:
-        self._buf = torch.empty(0, dtype=torch.uint8)
+# Staging per rank beyond which the pool warns (the plan's bucket size decides what it needs).
+DEFAULT_STAGING_LIMIT = int(os.environ.get("RESHARD_STAGING_LIMIT_BYTES", 256 << 20))
+
+
+class StagingPool:
+    """A grow-only uint8 buffer on the worker's device, allocated once and reused for every update."""
+
+    def __init__(self, device: str | torch.device = "cpu", limit_bytes: int = DEFAULT_STAGING_LIMIT) -> None:
+        self.device = torch.device(device)
+        self.limit_bytes = limit_bytes
+        self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.numel()
 
     def get(self, nbytes: int) -> torch.Tensor:
         if self._buf.numel() < nbytes:
-            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes > self.limit_bytes:
+                log.warning("staging needs %.1f MiB on %s, over the %.0f MiB limit: use a smaller bucket size "
+                            "(--bucket-bytes) to bound it", nbytes / 2**20, self.device, self.limit_bytes / 2**20)
+            self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.allocations += 1
         return self._buf[:nbytes]
 
@@ -121,6 +139,10 @@ class Engine:
         self.checksum_seconds += time.perf_counter() - t0
 
     def run(self) -> dict[PieceKey, int]:
+        with self.t.copy_context():  # the transport's copy stream, where it has one
+            return self._run()
+
+    def _run(self) -> dict[PieceKey, int]:
         rounds = self._rounds()
         total = sum(m.nbytes for m, _ in self.work)
         sizes = [sum(m.staged_bytes for m, role in r if self._staged(m, role)) for r in rounds]
@@ -144,8 +166,10 @@ class Engine:
             return out
 
         def post(items: list[tuple[Message, str, torch.Tensor]]) -> list[Work]:
-            return [(self.t.send if role == "send" else self.t.recv)(buf[: m.wire_bytes], self._peer(m, role), m.tag)
-                    for m, role, buf in items]
+            works = [(self.t.send if role == "send" else self.t.recv)(buf[: m.wire_bytes], self._peer(m, role), m.tag)
+                     for m, role, buf in items]
+            self.t.flush()  # one group per round (NCCL); gloo started each one already
+            return works
 
         def prepackable(i: int) -> bool:
             # A relay forwards what this rank received: pack it only once earlier rounds landed.

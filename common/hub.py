@@ -43,10 +43,20 @@ class WorkerConn:
     requests_by_version: dict[str, int] = dataclasses.field(default_factory=dict)
     version: pb.Version | None = None
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # from its last finished transfer
 
     @property
     def pid(self) -> int:
         return self.hello.pid
+
+    @property
+    def device(self) -> str:
+        return self.hello.device or "cpu"
+
+    def health(self, h: pb.WorkerHealth) -> None:
+        """Fill in what every worker reports: device and memory."""
+        h.device = self.device
+        h.memory.update(self.memory)
 
 
 class WorkerHub(wgrpc.WorkerControlServicer):
@@ -122,6 +132,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
     def _dispatch(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
         kind = msg.WhichOneof("kind")
+        if kind == "done" and msg.done.memory:
+            conn.memory = dict(msg.done.memory)
         if kind == "reply":
             fut = conn.pending.pop(msg.reply.id, None)
             if fut is not None and not fut.done():

@@ -3,12 +3,16 @@
 The engine sees only `Transport`: post a send or a receive of a flat uint8
 tensor to/from a session peer with a tag, and wait for posted work with a
 deadline. `gloo` runs on CPU (torch's ProcessGroupGloo on a TCPStore, a fresh
-PrefixStore per session, no global default group).
+PrefixStore per session, no global default group); `nccl` (common/nccl_transport.py)
+on CUDA. A transport may hold back what was posted until `flush()` (NCCL fuses a
+round's operations in one group) and may run the engine's copies on a stream of
+its own (`copy_context()`); for gloo both are no-ops.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import logging
 import time
@@ -29,6 +33,19 @@ class Work(abc.ABC):
 
 class Transport(abc.ABC):
     name: str = "?"
+    connection_bytes: int = 0  # device memory the transport's own connections hold (NCCL's buffers)
+
+    @classmethod
+    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu") -> "Transport":
+        """Join the data-plane session described by a `reshard.v1.Session` as `rank` of `world`."""
+        return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s)
+
+    def flush(self) -> None:
+        """Start whatever was posted and not started yet (one round's sends and receives)."""
+
+    def copy_context(self):
+        """A context in which the engine packs and unpacks (a copy stream of the transport's own)."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work: ...
@@ -109,10 +126,17 @@ class GlooTransport(Transport):
 
 
 TRANSPORTS = {"gloo": GlooTransport}
+_LAZY = {"nccl": ("reshard.common.nccl_transport", "NcclTransport")}  # imported when first asked for
 
 
 def transport_class(name: str) -> type[Transport]:
+    if name not in TRANSPORTS and name in _LAZY:
+        import importlib
+
+        module, cls = _LAZY[name]
+        TRANSPORTS[name] = getattr(importlib.import_module(module), cls)
     try:
         return TRANSPORTS[name]
     except KeyError:
-        raise ValueError(f"unknown transport {name!r}; valid transports: {', '.join(sorted(TRANSPORTS))}") from None
+        valid = sorted({*TRANSPORTS, *_LAZY})
+        raise ValueError(f"unknown transport {name!r}; valid transports: {', '.join(valid)}") from None

@@ -23,6 +23,7 @@ from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
 
 from . import baseline
+from .backend import buffers_device
 from .engine import Engine, StagingPool, receiver_checksums
 from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from .planner import Plan, PlanOptions, make_plan
@@ -62,7 +63,10 @@ class WorkerBase:
         self.shapes = {n: t.shape for n, t in tensors.items()}
         self.version: pb.Version | None = None
         self.fault = fault or {}
-        self._pool = StagingPool()
+        self.device = buffers_device(self.live.values())  # cpu | cuda:N: reported in hello, picks the backend
+        self._pool = StagingPool(self.device)
+        self.memory: dict[str, int] = {}  # the last memory report (bytes by category)
+        self._mem_high = 0
         self._plans: dict[tuple, Plan] = {}
         self._sessions: dict[str, Transport] = {}  # one per attached deployment
         self._update_session: dict[str, str] = {}
@@ -135,7 +139,8 @@ class WorkerBase:
 
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
-                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts))
+                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts),
+                          device=self.device)
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True
@@ -212,6 +217,20 @@ class WorkerBase:
             # Close on the data-plane thread, after whatever it still runs there.
             self._dp.submit(t.close)
 
+    async def _on_nccl_unique_id(self, u: wpb.NcclUniqueId, cid: int) -> dict:
+        """Make the ncclUniqueId of a new NCCL session: this process hosts its bootstrap root."""
+        from .nccl import NcclUnavailable, load_library
+
+        def make() -> bytes:
+            try:
+                return load_library().unique_id()
+            except NcclUnavailable as e:
+                raise TransportError(f"{self.role} rank {self.rank} cannot make an NCCL session id: {e}") from None
+
+        uid = await asyncio.get_running_loop().run_in_executor(None, make)
+        log.debug("%s worker %d: ncclUniqueId for session %s", self.role, self.rank, u.session)
+        return {"nccl_unique_id": uid}
+
     async def _on_prepare(self, p: wpb.Prepare, cid: int) -> dict:
         loop = asyncio.get_running_loop()
         src, dst = Layout.from_bytes(p.src_layout), Layout.from_bytes(p.dst_layout)
@@ -243,8 +262,9 @@ class WorkerBase:
         done = wpb.TransferDone(update_id=p.update_id)
         t0 = time.perf_counter()
         try:
-            sums, nbytes, csum_s = await loop.run_in_executor(self._dp, self._run_transfer, p, plan, src, dst)
+            sums, nbytes, csum_s = await loop.run_in_executor(self._dp, self._measured_transfer, p, plan, src, dst)
             done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
+            done.memory.update(self.memory)
             for (r, b, i), v in sorted(sums.items()):
                 done.checksums.add(rank=r, buffer=b, piece=i, value=v)
         except Exception as e:  # noqa: BLE001
@@ -262,9 +282,44 @@ class WorkerBase:
         while len(self._sessions) >= 8:  # deployments detached long ago
             self._sessions.pop(next(iter(self._sessions))).close()
         rank = self.rank if self.side == "src" else s.src_world + self.rank
-        t = transport_class(s.transport or "gloo")(s.store_host, s.store_port, s.id, rank, s.src_world + s.dst_world, timeout)
+        t = transport_class(s.transport or "gloo").for_session(s, rank, s.src_world + s.dst_world, timeout, device=self.device)
         self._sessions[s.id] = t
         return t
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's memory by category, bytes: the staging pool, shadow buffers (inference),
+        snapshot (trainer), NCCL's connection buffers, and on CUDA the allocator's peak above
+        its level before an update, for the first update (connections being set up) and the last."""
+        rep = {"staging": self._pool.nbytes}
+        for name in ("shadow", "snapshot"):
+            held = getattr(self, name, None)
+            if held is not None:
+                rep[name] = sum(t.numel() * t.element_size() for t in held.values())
+        t = self._sessions.get(next(iter(self._update_session.values()), ""))
+        if t is not None and t.connection_bytes:
+            rep["nccl"] = int(t.connection_bytes)
+        return rep
+
+    def _measured_transfer(self, p: wpb.Prepare, plan: Plan, src: Layout, dst: Layout):
+        """On the data-plane thread: `_run_transfer`, and the memory it took."""
+        cuda = self.device.startswith("cuda")
+        if cuda:  # sampled at round boundaries: resetting torch's peak statistics would clobber the host's
+            torch.cuda.set_device(self.device)
+            base = self._mem_high = torch.cuda.memory_allocated(self.device)
+        first = not self.memory  # no update has finished on this rank yet
+        out = self._run_transfer(p, plan, src, dst)
+        rep = self.memory_report()
+        if cuda:
+            rep["update_peak"] = max(self._mem_high, torch.cuda.memory_allocated(self.device)) - base
+        if first:
+            if "update_peak" in rep:
+                rep["first_update_peak"] = rep["update_peak"]
+            if "nccl" in rep:
+                rep["first_update_nccl"] = rep["nccl"]
+        else:
+            rep.update({k: v for k, v in self.memory.items() if k.startswith("first_update")})
+        self.memory = rep
+        return out
 
     def _run_transfer(self, p: wpb.Prepare, plan: Plan, src: Layout, dst: Layout):
         """On the data-plane thread: connect (or reuse) the session and move this rank's bytes."""
@@ -276,7 +331,11 @@ class WorkerBase:
         buffers = self.transfer_buffers()
         last = [0.0]
 
+        cuda = self.device.startswith("cuda")
+
         def progress(done: int, total: int) -> None:
+            if cuda:
+                self._mem_high = max(self._mem_high, torch.cuda.memory_allocated(self.device))
             now = time.monotonic()
             if now - last[0] > 0.1 or done == total:
                 last[0] = now

@@ -109,7 +109,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             layout = self.layout()
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.LayoutReply(model=self.model, layout=layout.to_bytes(), fingerprint=layout.fingerprint(), workers=self.hub.world)
+        return pb.LayoutReply(model=self.model, layout=layout.to_bytes(), fingerprint=layout.fingerprint(), workers=self.hub.world,
+                              devices=[w.device for w in self.hub.alive()])
 
     async def BeginUpdate(self, req: pb.BeginUpdateRequest, context):
         if not req.update_id or not req.version.run or not req.src_layout or not req.session.id:
@@ -235,6 +236,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             h = pb.WorkerHealth(rank=r, state="DEAD" if w is None or not w.alive else "READY")
             if w is not None:
                 h.pid, h.requests_served = w.pid, w.requests_served
+                w.health(h)
                 h.requests_by_version.update(w.requests_by_version)
                 if w.version is not None:
                     h.version.CopyFrom(w.version)

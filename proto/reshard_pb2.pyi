@@ -15,8 +15,15 @@ class Version(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("rank", "state", "pid", "version", "has_version", "detail", "requests_served", "requests_by_version")
+    __slots__ = ("rank", "state", "pid", "version", "has_version", "detail", "requests_served", "requests_by_version", "device", "memory")
     class RequestsByVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MemoryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +38,8 @@ class WorkerHealth(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_BY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: str
     pid: int
@@ -39,7 +48,9 @@ class WorkerHealth(_message.Message):
     detail: str
     requests_served: int
     requests_by_version: _containers.ScalarMap[str, int]
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    device: str
+    memory: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., memory: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class UpdateProgress(_message.Message):
     __slots__ = ("phase", "bytes_done", "bytes_total", "version")
@@ -122,18 +133,20 @@ class Status(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
-    __slots__ = ("address", "committed", "has_committed", "last_error", "phase")
+    __slots__ = ("address", "committed", "has_committed", "last_error", "phase", "backend")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     HAS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     address: str
     committed: Version
     has_committed: bool
     last_error: str
     phase: str
-    def __init__(self, address: _Optional[str] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., last_error: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+    backend: str
+    def __init__(self, address: _Optional[str] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., last_error: _Optional[str] = ..., phase: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("address",)
@@ -192,32 +205,36 @@ class GetLayoutRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LayoutReply(_message.Message):
-    __slots__ = ("model", "layout", "fingerprint", "workers")
+    __slots__ = ("model", "layout", "fingerprint", "workers", "devices")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout: bytes
     fingerprint: str
     workers: int
-    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport")
+    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     SRC_WORLD_FIELD_NUMBER: _ClassVar[int]
     DST_WORLD_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     store_host: str
     store_port: int
     src_world: int
     dst_world: int
     transport: str
-    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    nccl_unique_id: bytes
+    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
     __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors")

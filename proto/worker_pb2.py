@@ -25,47 +25,53 @@ _sym_db = _symbol_database.Default()
 from reshard.proto import reshard_pb2 as reshard__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x11reshard.worker.v1\x1a\rreshard.proto\"\x9e\x01\n\x05Hello\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05world\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x13\n\x0brank_layout\x18\x04 \x01(\x0c\x12\r\n\x05model\x18\x05 \x01(\t\x12$\n\x07version\x18\x06 \x01(\x0b\x32\x13.reshard.v1.Version\x12\x13\n\x0bhas_version\x18\x07 \x01(\x08\x12\x0c\n\x04role\x18\x08 \x01(\t\"\xed\x01\n\x07Prepare\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12$\n\x07version\x18\x02 \x01(\x0b\x32\x13.reshard.v1.Version\x12\x12\n\nsrc_layout\x18\x03 \x01(\x0c\x12\x12\n\ndst_layout\x18\x04 \x01(\x0c\x12\x13\n\x0bplan_digest\x18\x05 \x01(\t\x12$\n\x07session\x18\x06 \x01(\x0b\x32\x13.reshard.v1.Session\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\t \x01(\x03\x12\x0f\n\x07tensors\x18\n \x03(\t\"H\n\x06Verify\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12+\n\x08\x65xpected\x18\x02 \x03(\x0b\x32\x19.reshard.v1.PieceChecksum\"A\n\x06\x43ommit\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12$\n\x07version\x18\x02 \x01(\x0b\x32\x13.reshard.v1.Version\"*\n\x05\x41\x62ort\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x04Read\x12\x0e\n\x06tensor\x18\x01 \x01(\t\",\n\x04Step\x12$\n\x07version\x18\x01 \x01(\x0b\x32\x13.reshard.v1.Version\"\xb0\x02\n\x11\x43ontrollerMessage\x12\n\n\x02id\x18\x01 \x01(\x03\x12-\n\x07prepare\x18\x02 \x01(\x0b\x32\x1a.reshard.worker.v1.PrepareH\x00\x12+\n\x06verify\x18\x03 \x01(\x0b\x32\x19.reshard.worker.v1.VerifyH\x00\x12+\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x19.reshard.worker.v1.CommitH\x00\x12)\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x18.reshard.worker.v1.AbortH\x00\x12\'\n\x04read\x18\x06 \x01(\x0b\x32\x17.reshard.worker.v1.ReadH\x00\x12\'\n\x04step\x18\x07 \x01(\x0b\x32\x17.reshard.worker.v1.StepH\x00\x42\t\n\x07\x63ommand\"T\n\x05Reply\x12\n\n\x02id\x18\x01 \x01(\x03\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x03\"\x8c\x01\n\tReadPiece\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x03(\x03\x12\x0c\n\x04size\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12$\n\x07version\x18\x07 \x01(\x0b\x32\x13.reshard.v1.Version\"F\n\x08Progress\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x03\"\xa4\x01\n\x0cTransferDone\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12,\n\tchecksums\x18\x04 \x03(\x0b\x32\x19.reshard.v1.PieceChecksum\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x18\n\x10\x63hecksum_seconds\x18\x07 \x01(\x01\"1\n\tPublished\x12$\n\x07version\x18\x01 \x01(\x0b\x32\x13.reshard.v1.Version\"\x8b\x02\n\tHeartbeat\x12\x17\n\x0frequests_served\x18\x01 \x01(\x03\x12$\n\x07version\x18\x02 \x01(\x0b\x32\x13.reshard.v1.Version\x12\x13\n\x0bhas_version\x18\x03 \x01(\x08\x12\x1e\n\x16requests_during_update\x18\x04 \x01(\x03\x12P\n\x13requests_by_version\x18\x05 \x03(\x0b\x32\x33.reshard.worker.v1.Heartbeat.RequestsByVersionEntry\x1a\x38\n\x16RequestsByVersionEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xe4\x02\n\rWorkerMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.reshard.worker.v1.HelloH\x00\x12)\n\x05reply\x18\x02 \x01(\x0b\x32\x18.reshard.worker.v1.ReplyH\x00\x12-\n\x05piece\x18\x03 \x01(\x0b\x32\x1c.reshard.worker.v1.ReadPieceH\x00\x12/\n\x08progress\x18\x04 \x01(\x0b\x32\x1b.reshard.worker.v1.ProgressH\x00\x12/\n\x04\x64one\x18\x05 \x01(\x0b\x32\x1f.reshard.worker.v1.TransferDoneH\x00\x12\x31\n\tpublished\x18\x06 \x01(\x0b\x32\x1c.reshard.worker.v1.PublishedH\x00\x12\x31\n\theartbeat\x18\x07 \x01(\x0b\x32\x1c.reshard.worker.v1.HeartbeatH\x00\x42\x06\n\x04kind2e\n\rWorkerControl\x12T\n\x06\x41ttach\x12 .reshard.worker.v1.WorkerMessage\x1a$.reshard.worker.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x11reshard.worker.v1\x1a\rreshard.proto\"\xae\x01\n\x05Hello\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05world\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x13\n\x0brank_layout\x18\x04 \x01(\x0c\x12\r\n\x05model\x18\x05 \x01(\t\x12$\n\x07version\x18\x06 \x01(\x0b\x32\x13.reshard.v1.Version\x12\x13\n\x0bhas_version\x18\x07 \x01(\x08\x12\x0c\n\x04role\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\"\xed\x01\n\x07Prepare\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12$\n\x07version\x18\x02 \x01(\x0b\x32\x13.reshard.v1.Version\x12\x12\n\nsrc_layout\x18\x03 \x01(\x0c\x12\x12\n\ndst_layout\x18\x04 \x01(\x0c\x12\x13\n\x0bplan_digest\x18\x05 \x01(\t\x12$\n\x07session\x18\x06 \x01(\x0b\x32\x13.reshard.v1.Session\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\t \x01(\x03\x12\x0f\n\x07tensors\x18\n \x03(\t\"H\n\x06Verify\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12+\n\x08\x65xpected\x18\x02 \x03(\x0b\x32\x19.reshard.v1.PieceChecksum\"A\n\x06\x43ommit\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12$\n\x07version\x18\x02 \x01(\x0b\x32\x13.reshard.v1.Version\"*\n\x05\x41\x62ort\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x16\n\x04Read\x12\x0e\n\x06tensor\x18\x01 \x01(\t\",\n\x04Step\x12$\n\x07version\x18\x01 \x01(\x0b\x32\x13.reshard.v1.Version\"\x1f\n\x0cNcclUniqueId\x12\x0f\n\x07session\x18\x01 \x01(\t\"\xeb\x02\n\x11\x43ontrollerMessage\x12\n\n\x02id\x18\x01 \x01(\x03\x12-\n\x07prepare\x18\x02 \x01(\x0b\x32\x1a.reshard.worker.v1.PrepareH\x00\x12+\n\x06verify\x18\x03 \x01(\x0b\x32\x19.reshard.worker.v1.VerifyH\x00\x12+\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x19.reshard.worker.v1.CommitH\x00\x12)\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x18.reshard.worker.v1.AbortH\x00\x12\'\n\x04read\x18\x06 \x01(\x0b\x32\x17.reshard.worker.v1.ReadH\x00\x12\'\n\x04step\x18\x07 \x01(\x0b\x32\x17.reshard.worker.v1.StepH\x00\x12\x39\n\x0enccl_unique_id\x18\x08 \x01(\x0b\x32\x1f.reshard.worker.v1.NcclUniqueIdH\x00\x42\t\n\x07\x63ommand\"l\n\x05Reply\x12\n\n\x02id\x18\x01 \x01(\x03\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x03\x12\x16\n\x0enccl_unique_id\x18\x06 \x01(\x0c\"\x8c\x01\n\tReadPiece\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x03(\x03\x12\x0c\n\x04size\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12$\n\x07version\x18\x07 \x01(\x0b\x32\x13.reshard.v1.Version\"F\n\x08Progress\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x03\"\x90\x02\n\x0cTransferDone\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12,\n\tchecksums\x18\x04 \x03(\x0b\x32\x19.reshard.v1.PieceChecksum\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x18\n\x10\x63hecksum_seconds\x18\x07 \x01(\x01\x12;\n\x06memory\x18\x08 \x03(\x0b\x32+.reshard.worker.v1.TransferDone.MemoryEntry\x1a-\n\x0bMemoryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"1\n\tPublished\x12$\n\x07version\x18\x01 \x01(\x0b\x32\x13.reshard.v1.Version\"\x8b\x02\n\tHeartbeat\x12\x17\n\x0frequests_served\x18\x01 \x01(\x03\x12$\n\x07version\x18\x02 \x01(\x0b\x32\x13.reshard.v1.Version\x12\x13\n\x0bhas_version\x18\x03 \x01(\x08\x12\x1e\n\x16requests_during_update\x18\x04 \x01(\x03\x12P\n\x13requests_by_version\x18\x05 \x03(\x0b\x32\x33.reshard.worker.v1.Heartbeat.RequestsByVersionEntry\x1a\x38\n\x16RequestsByVersionEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xe4\x02\n\rWorkerMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.reshard.worker.v1.HelloH\x00\x12)\n\x05reply\x18\x02 \x01(\x0b\x32\x18.reshard.worker.v1.ReplyH\x00\x12-\n\x05piece\x18\x03 \x01(\x0b\x32\x1c.reshard.worker.v1.ReadPieceH\x00\x12/\n\x08progress\x18\x04 \x01(\x0b\x32\x1b.reshard.worker.v1.ProgressH\x00\x12/\n\x04\x64one\x18\x05 \x01(\x0b\x32\x1f.reshard.worker.v1.TransferDoneH\x00\x12\x31\n\tpublished\x18\x06 \x01(\x0b\x32\x1c.reshard.worker.v1.PublishedH\x00\x12\x31\n\theartbeat\x18\x07 \x01(\x0b\x32\x1c.reshard.worker.v1.HeartbeatH\x00\x42\x06\n\x04kind2e\n\rWorkerControl\x12T\n\x06\x41ttach\x12 .reshard.worker.v1.WorkerMessage\x1a$.reshard.worker.v1.ControllerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRANSFERDONE_MEMORYENTRY']._loaded_options = None
+  _globals['_TRANSFERDONE_MEMORYENTRY']._serialized_options = b'8\001'
   _globals['_HEARTBEAT_REQUESTSBYVERSIONENTRY']._loaded_options = None
   _globals['_HEARTBEAT_REQUESTSBYVERSIONENTRY']._serialized_options = b'8\001'
   _globals['_HELLO']._serialized_start=51
-  _globals['_HELLO']._serialized_end=209
-  _globals['_PREPARE']._serialized_start=212
-  _globals['_PREPARE']._serialized_end=449
-  _globals['_VERIFY']._serialized_start=451
-  _globals['_VERIFY']._serialized_end=523
-  _globals['_COMMIT']._serialized_start=525
-  _globals['_COMMIT']._serialized_end=590
-  _globals['_ABORT']._serialized_start=592
-  _globals['_ABORT']._serialized_end=634
-  _globals['_READ']._serialized_start=636
-  _globals['_READ']._serialized_end=658
-  _globals['_STEP']._serialized_start=660
-  _globals['_STEP']._serialized_end=704
-  _globals['_CONTROLLERMESSAGE']._serialized_start=707
-  _globals['_CONTROLLERMESSAGE']._serialized_end=1011
-  _globals['_REPLY']._serialized_start=1013
-  _globals['_REPLY']._serialized_end=1097
-  _globals['_READPIECE']._serialized_start=1100
-  _globals['_READPIECE']._serialized_end=1240
-  _globals['_PROGRESS']._serialized_start=1242
-  _globals['_PROGRESS']._serialized_end=1312
-  _globals['_TRANSFERDONE']._serialized_start=1315
-  _globals['_TRANSFERDONE']._serialized_end=1479
-  _globals['_PUBLISHED']._serialized_start=1481
-  _globals['_PUBLISHED']._serialized_end=1530
-  _globals['_HEARTBEAT']._serialized_start=1533
-  _globals['_HEARTBEAT']._serialized_end=1800
-  _globals['_HEARTBEAT_REQUESTSBYVERSIONENTRY']._serialized_start=1744
-  _globals['_HEARTBEAT_REQUESTSBYVERSIONENTRY']._serialized_end=1800
-  _globals['_WORKERMESSAGE']._serialized_start=1803
-  _globals['_WORKERMESSAGE']._serialized_end=2159
-  _globals['_WORKERCONTROL']._serialized_start=2161
-  _globals['_WORKERCONTROL']._serialized_end=2262
+  _globals['_HELLO']._serialized_end=225
+  _globals['_PREPARE']._serialized_start=228
+  _globals['_PREPARE']._serialized_end=465
+  _globals['_VERIFY']._serialized_start=467
+  _globals['_VERIFY']._serialized_end=539
+  _globals['_COMMIT']._serialized_start=541
+  _globals['_COMMIT']._serialized_end=606
+  _globals['_ABORT']._serialized_start=608
+  _globals['_ABORT']._serialized_end=650
+  _globals['_READ']._serialized_start=652
+  _globals['_READ']._serialized_end=674
+  _globals['_STEP']._serialized_start=676
+  _globals['_STEP']._serialized_end=720
+  _globals['_NCCLUNIQUEID']._serialized_start=722
+  _globals['_NCCLUNIQUEID']._serialized_end=753
+  _globals['_CONTROLLERMESSAGE']._serialized_start=756
+  _globals['_CONTROLLERMESSAGE']._serialized_end=1119
+  _globals['_REPLY']._serialized_start=1121
+  _globals['_REPLY']._serialized_end=1229
+  _globals['_READPIECE']._serialized_start=1232
+  _globals['_READPIECE']._serialized_end=1372
+  _globals['_PROGRESS']._serialized_start=1374
+  _globals['_PROGRESS']._serialized_end=1444
+  _globals['_TRANSFERDONE']._serialized_start=1447
+  _globals['_TRANSFERDONE']._serialized_end=1719
+  _globals['_TRANSFERDONE_MEMORYENTRY']._serialized_start=1674
+  _globals['_TRANSFERDONE_MEMORYENTRY']._serialized_end=1719
+  _globals['_PUBLISHED']._serialized_start=1721
+  _globals['_PUBLISHED']._serialized_end=1770
+  _globals['_HEARTBEAT']._serialized_start=1773
+  _globals['_HEARTBEAT']._serialized_end=2040
+  _globals['_HEARTBEAT_REQUESTSBYVERSIONENTRY']._serialized_start=1984
+  _globals['_HEARTBEAT_REQUESTSBYVERSIONENTRY']._serialized_end=2040
+  _globals['_WORKERMESSAGE']._serialized_start=2043
+  _globals['_WORKERMESSAGE']._serialized_end=2399
+  _globals['_WORKERCONTROL']._serialized_start=2401
+  _globals['_WORKERCONTROL']._serialized_end=2502
 # @@protoc_insertion_point(module_scope)

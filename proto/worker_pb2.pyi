@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role")
+    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role", "device")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Hello(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world: int
     pid: int
@@ -25,7 +26,8 @@ class Hello(_message.Message):
     version: _reshard_pb2.Version
     has_version: bool
     role: str
-    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class Prepare(_message.Message):
     __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors")
@@ -87,8 +89,14 @@ class Step(_message.Message):
     version: _reshard_pb2.Version
     def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
+class NcclUniqueId(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
 class ControllerMessage(_message.Message):
-    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step")
+    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step", "nccl_unique_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +104,7 @@ class ControllerMessage(_message.Message):
     ABORT_FIELD_NUMBER: _ClassVar[int]
     READ_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     id: int
     prepare: Prepare
     verify: Verify
@@ -103,21 +112,24 @@ class ControllerMessage(_message.Message):
     abort: Abort
     read: Read
     step: Step
-    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+    nccl_unique_id: NcclUniqueId
+    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., nccl_unique_id: _Optional[_Union[NcclUniqueId, _Mapping]] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("id", "ok", "error", "seconds", "bytes_total")
+    __slots__ = ("id", "ok", "error", "seconds", "bytes_total", "nccl_unique_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     id: int
     ok: bool
     error: str
     seconds: float
     bytes_total: int
-    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+    nccl_unique_id: bytes
+    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., bytes_total: _Optional[int] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class ReadPiece(_message.Message):
     __slots__ = ("id", "offset", "size", "byte_offset", "data", "last", "version")
@@ -148,7 +160,14 @@ class Progress(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("update_id", "ok", "error", "checksums", "bytes", "seconds", "checksum_seconds")
+    __slots__ = ("update_id", "ok", "error", "checksums", "bytes", "seconds", "checksum_seconds", "memory")
+    class MemoryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +175,7 @@ class TransferDone(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     ok: bool
     error: str
@@ -163,7 +183,8 @@ class TransferDone(_message.Message):
     bytes: int
     seconds: float
     checksum_seconds: float
-    def __init__(self, update_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[_reshard_pb2.PieceChecksum, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum_seconds: _Optional[float] = ...) -> None: ...
+    memory: _containers.ScalarMap[str, int]
+    def __init__(self, update_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[_reshard_pb2.PieceChecksum, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum_seconds: _Optional[float] = ..., memory: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Published(_message.Message):
     __slots__ = ("version",)

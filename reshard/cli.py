@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the inference dtype, done on the sender")
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers: wait for --workers TrainerWorkers embedded in a training job to attach")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="data plane: nccl when every worker's buffers are on CUDA, gloo when on CPU (auto), or forced")
     deadlines(p)
 
     p = sub.add_parser("update", help="push the trainer's latest version to inference")
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", type=_layout_spec, required=True, help="e.g. framework=megatron,tp=1,pp=4,dp=32,ep=16")
     p.add_argument("--dst", type=_layout_spec, required=True, help="e.g. framework=vllm,tp=8,dp=16")
     p.add_argument("--bucket-bytes", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("doctor", help="what the data plane can use here: torch, CUDA, NCCL library and version, gloo")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1")
@@ -295,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
-                       master_dtype=a.master_dtype)
+                       master_dtype=a.master_dtype, backend=a.backend)
+    if a.command == "doctor":
+        from reshard.doctor import main as doctor_main
+
+        return doctor_main(a.json)
     if a.command == "plan":
         from reshard.plan_cmd import main as plan_main
 

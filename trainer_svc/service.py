@@ -16,6 +16,7 @@ import uuid
 
 import grpc
 
+from reshard.common.backend import BACKENDS, BackendError, select_backend
 from reshard.common.checksum import P
 from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, merge_rank_layouts, serve_controller
 from reshard.common.layout import Layout, LayoutError
@@ -43,14 +44,15 @@ class Deployment:
         self.address = address
         self.chan = channel(address)
         self.stub = rgrpc.InferenceServiceStub(self.chan)
-        self.session: tuple[str, tuple] | None = None
+        self.session: tuple[str, tuple, bytes] | None = None  # (id, what it was opened for, ncclUniqueId)
+        self.backend = ""
         self.plans: dict[tuple, object] = {}
         self.committed: pb.Version | None = None
         self.last_error = ""
         self.phase = "IDLE"
 
     def status(self) -> pb.DeploymentStatus:
-        st = pb.DeploymentStatus(address=self.address, last_error=self.last_error, phase=self.phase)
+        st = pb.DeploymentStatus(address=self.address, last_error=self.last_error, phase=self.phase, backend=self.backend)
         if self.committed is not None:
             st.committed.CopyFrom(self.committed)
             st.has_committed = True
@@ -59,12 +61,15 @@ class Deployment:
 
 class TrainerController(rgrpc.TrainerServiceServicer):
     def __init__(self, hub: WorkerHub, model: str, inference: list[str], run: str, store_host: str, deadlines: Deadlines,
-                 bucket_bytes: int = 0, transport: str = "gloo") -> None:
+                 bucket_bytes: int = 0, backend: str = "auto") -> None:
         from torch.distributed import TCPStore
 
         self.hub, self.model, self.run = hub, model, run
         self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
-        self.deadlines, self.bucket_bytes, self.transport = deadlines, bucket_bytes, transport
+        self.deadlines, self.bucket_bytes = deadlines, bucket_bytes
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        self.backend = backend  # auto | gloo | nccl
         # The session rendezvous store; lives as long as the controller.
         self.store = TCPStore(store_host, 0, None, True, timeout=datetime.timedelta(seconds=deadlines.update_s), wait_for_workers=False)
         self.store_host = store_host
@@ -209,6 +214,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             h = pb.WorkerHealth(rank=r, state="DEAD" if w is None or not w.alive else "READY")
             if w is not None:
                 h.pid = w.pid
+                w.health(h)
                 if w.version is not None:
                     h.version.CopyFrom(w.version)
                     h.has_version = True
@@ -327,13 +333,22 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             except LayoutError as e:
                 raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
             self.progress_total = plan.total_bytes
+            try:
+                backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(lr.devices)))
+            except BackendError as e:
+                raise UpdateFailed(f"{e}; nothing transferred") from None
             # CONNECT: reuse the session while membership is unchanged.
-            key = (lr.fingerprint, src.fingerprint(), self.hub.generation)
-            if d.session is None or d.session[1] != key:
-                d.session = (uuid.uuid4().hex[:12], key)
-            session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
-                                 src_world=src.world, dst_world=dst.world, transport=self.transport)
             self.phase = d.phase = "CONNECT"
+            key = (lr.fingerprint, src.fingerprint(), self.hub.generation, backend)
+            if d.session is None or d.session[1] != key:
+                sid, uid = uuid.uuid4().hex[:12], b""
+                if backend == "nccl":  # a fresh id per session (so per retry): trainer worker 0 hosts its root
+                    rep = await self.hub.call(self.hub.workers[0], self.deadlines.rpc_s, nccl_unique_id=wpb.NcclUniqueId(session=sid))
+                    uid = rep.nccl_unique_id
+                d.session = (sid, key, uid)
+            d.backend = backend
+            session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
+                                 src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2])
             left = deadline - time.monotonic()
             try:
                 await d.stub.BeginUpdate(pb.BeginUpdateRequest(
@@ -417,12 +432,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-                master_dtype: str = "") -> int:
+                master_dtype: str = "", backend: str = "auto") -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
     store_host = store_host or local_host(listen)
-    ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes)
+    ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes, backend=backend)
     ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
 
     def command(addr: str, rank: int) -> list[str]:
@@ -441,8 +456,8 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-         master_dtype: str = "") -> int:
+         master_dtype: str = "", backend: str = "auto") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
                                        spawn_workers=spawn_workers, store_host=store_host, layout=layout,
-                                       master_dtype=master_dtype))
+                                       master_dtype=master_dtype, backend=backend))
