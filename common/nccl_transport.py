@@ -54,6 +54,34 @@ class _Group:
     new_peers: bool = False
 
 
+class CudaOps:
+    """The torch.cuda calls the transport makes, in one place (CPU tests pass a fake)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def set_device(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+
 class _NcclWork(Work):
     __slots__ = ("_t", "_g", "_what")
 
@@ -74,28 +102,31 @@ class NcclTransport(Transport):
         return cls(bytes(session.nccl_unique_id), rank, world, timeout_s, device=device, session=session.id)
 
     def __init__(self, unique_id: bytes, rank: int, world: int, timeout_s: float, *, device: str | torch.device,
-                 session: str = "", library: NcclLibrary | None = None) -> None:
+                 session: str = "", library: NcclLibrary | None = None, cuda: CudaOps | None = None) -> None:
         dev = torch.device(device)
-        if dev.type != "cuda":
-            raise TransportError(f"the nccl transport moves CUDA buffers; this worker's are on {dev}")
-        if not torch.cuda.is_available():
-            raise TransportError("the nccl transport needs CUDA, and torch sees no CUDA device here")
-        self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        if cuda is None:
+            if dev.type != "cuda":
+                raise TransportError(f"the nccl transport moves CUDA buffers; this worker's are on {dev}")
+            if not torch.cuda.is_available():
+                raise TransportError("the nccl transport needs CUDA, and torch sees no CUDA device here")
+            dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+            cuda = CudaOps(dev)
+        self.device, self._cuda = dev, cuda
         self.rank, self.world, self.session, self.timeout_s = rank, world, session, timeout_s
         self._comm = None
         self._broken = ""
         self._open: _Group | None = None
         self._peers: set[int] = set()
         self.abort_seconds: float | None = None
-        torch.cuda.set_device(self.device)  # this (data-plane) thread's device
+        cuda.set_device()  # this (data-plane) thread's device
         try:
             self.lib = library or load_library()
         except NcclUnavailable as e:
             raise TransportError(str(e)) from None
-        self.comm_stream = torch.cuda.Stream(self.device)
-        self.copy_stream = torch.cuda.Stream(self.device)
-        self._free0 = torch.cuda.mem_get_info(self.device)[0]
-        self._reserved0 = torch.cuda.memory_reserved(self.device)
+        self.comm_stream = cuda.stream()
+        self.copy_stream = cuda.stream()
+        self._free0 = cuda.free_bytes()
+        self._reserved0 = cuda.reserved_bytes()
         t0 = time.monotonic()
         self._comm = self.lib.comm_init_rank(world, unique_id, rank, blocking=False)
         self._settle(t0 + timeout_s, timeout_s, f"joining NCCL session {session} as rank {rank} of {world}")
@@ -149,13 +180,26 @@ class NcclTransport(Transport):
     def _measure(self) -> None:
         """NCCL's own device memory: the drop in free memory since before init, less what torch's
         allocator reserved meanwhile (other processes on the same GPU blur it)."""
-        free = torch.cuda.mem_get_info(self.device)[0]
-        grown = torch.cuda.memory_reserved(self.device) - self._reserved0
+        free = self._cuda.free_bytes()
+        grown = self._cuda.reserved_bytes() - self._reserved0
         self.connection_bytes = max(self.connection_bytes, self._free0 - free - grown)
 
     # -- the Transport interface -----------------------------------------------------------
     def copy_context(self):
-        return torch.cuda.stream(self.copy_stream)
+        return self._cuda.use_stream(self.copy_stream)
+
+    def _after_producer(self) -> None:
+        """The comm stream waits for what the current stream (the copies) has queued so far."""
+        producer = self._cuda.current_stream()
+        if producer != self.comm_stream:
+            ready = self._cuda.event()
+            ready.record(producer)
+            self.comm_stream.wait_event(ready)
+
+    def _record(self):
+        ev = self._cuda.event()
+        ev.record(self.comm_stream)
+        return ev
 
     def _post(self, kind: str, buf: torch.Tensor, peer: int, tag: int) -> _Group:
         self._usable()
@@ -179,11 +223,7 @@ class NcclTransport(Transport):
         if g is None or not g.ops:
             return
         self._usable()
-        producer = torch.cuda.current_stream(self.device)
-        if producer != self.comm_stream:
-            ready = torch.cuda.Event()
-            ready.record(producer)  # the staged bytes were packed there
-            self.comm_stream.wait_event(ready)
+        self._after_producer()
         peers = {op.peer for op in g.ops}
         g.new_peers = not peers <= self._peers
         self._peers |= peers
@@ -197,8 +237,7 @@ class NcclTransport(Transport):
             code = self.lib.group_end()
         g.launched = True
         if code == ncclSuccess:
-            g.event = torch.cuda.Event()
-            g.event.record(self.comm_stream)
+            g.event = self._record()
         # else ncclInProgress: connections to new peers are being set up; _wait settles it first.
 
     def _wait(self, g: _Group, timeout_s: float, what: str) -> None:
@@ -213,8 +252,7 @@ class NcclTransport(Transport):
                 raise TransportError(f"nccl {what}: waited on work that was never posted")
         if g.event is None:
             self._settle(deadline, timeout_s, f"NCCL {what} in session {self.session}")
-            g.event = torch.cuda.Event()
-            g.event.record(self.comm_stream)
+            g.event = self._record()
         delay = _POLL_MIN_S
         while not g.event.query():
             self._async_error(f"NCCL {what} in session {self.session}")
@@ -236,16 +274,12 @@ class NcclTransport(Transport):
         root = members[0]
         if sorted(members) == list(range(self.world)):
             self._usable()
-            producer = torch.cuda.current_stream(self.device)
-            ready = torch.cuda.Event()
-            ready.record(producer)
-            self.comm_stream.wait_event(ready)
+            self._after_producer()
             g = _Group(launched=True, new_peers=not set(members) <= self._peers)
             self._peers |= set(members)
             code = self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), root, self._comm, self.comm_stream.cuda_stream)
             if code == ncclSuccess:
-                g.event = torch.cuda.Event()
-                g.event.record(self.comm_stream)
+                g.event = self._record()
             return _NcclWork(self, g, f"broadcast from rank {root}")
         # A subset of the session: the root sends to each member (NCCL has no tags; the tag is 0).
         if self.rank == root:

@@ -1,0 +1,580 @@
+"""The NCCL data plane on CPU: library discovery, versions, ncclConfig_t layouts, unique ids,
+error mapping, backend selection, the transport's polling and abort logic (against a fake
+library and fake streams), and `reshard doctor`. Nothing here needs a GPU or libnccl; the
+few checks of a real libnccl skip when none is installed."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from reshard.common import nccl
+from reshard.common.backend import BackendError, buffers_device, select_backend
+from reshard.common.engine import StagingPool
+from reshard.common.nccl import (LibraryChoice, NcclError, NcclLibrary, NcclUnavailable, choose_library, config_struct,
+                                 decode_version, make_config, ncclUniqueId, version_code, version_string)
+from reshard.common.nccl_transport import NcclTransport
+from reshard.common.transport import TransportError, transport_class
+
+# -- versions -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code,version", [(22304, (2, 23, 4)), (21605, (2, 16, 5)), (23203, (2, 32, 3)),
+                                          (2304, (2, 3, 4)), (2708, (2, 7, 8)), (30001, (3, 0, 1))])
+def test_version_decoding(code, version):
+    assert decode_version(code) == version
+    assert version_code(*version) == code
+    assert version_string(code) == ".".join(map(str, version))
+
+
+def test_old_and_new_encodings_meet_at_2_9():
+    assert version_code(2, 8, 4) == 2804 and version_code(2, 9, 6) == 20906
+    with pytest.raises(ValueError):
+        decode_version(-1)
+
+
+# -- ncclConfig_t -------------------------------------------------------------------------------
+# sizeof(ncclConfig_t) and field offsets, compiled with gcc (x86-64) from the nccl.h of each
+# nvidia-nccl-cu12 wheel, and of nvidia-nccl-cu13 2.28.9 (same as cu12 2.28.9).
+HEADER_LAYOUTS = {
+    21605: (24, {"blocking": 16}),
+    21701: (40, {"cgaClusterSize": 20, "maxCTAs": 28, "netName": 32}),
+    21801: (48, {"splitShare": 40}),
+    22105: (48, {"splitShare": 40}),
+    22304: (48, {"netName": 32, "splitShare": 40}),
+    22501: (48, {"splitShare": 40}),
+    22602: (48, {"trafficClass": 44}),
+    22707: (72, {"commName": 48, "collnetEnable": 56, "nvlsCTAs": 68}),
+    22809: (80, {"nChannelsPerNetPeer": 72, "nvlinkCentricSched": 76}),
+    22907: (88, {"graphUsageMode": 80, "numRmaCtx": 84}),
+    23007: (96, {"maxP2pPeers": 88, "graphStreamOrdering": 92}),
+    23102: (112, {"launchOrderImplicit": 96, "hostCftMode": 108}),
+    23203: (120, {"nvlsHostMode": 112}),
+}
+
+
+@pytest.mark.parametrize("version", sorted(HEADER_LAYOUTS))
+def test_config_layout_matches_each_header(version):
+    size, offsets = HEADER_LAYOUTS[version]
+    cls = config_struct(version)
+    assert ctypes.sizeof(cls) == size
+    assert (cls.size.offset, cls.magic.offset, cls.version.offset, cls.blocking.offset) == (0, 8, 12, 16)
+    for name, off in offsets.items():
+        assert getattr(cls, name).offset == off, name
+
+
+def test_config_initializer_semantics():
+    cfg = make_config(22304, blocking=0)
+    assert cfg.size == ctypes.sizeof(cfg) == 48 and cfg.magic == 0xCAFEBEEF and cfg.version == 22304
+    assert cfg.blocking == 0
+    assert cfg.cgaClusterSize == cfg.minCTAs == cfg.maxCTAs == cfg.splitShare == -(2**31)  # NCCL_CONFIG_UNDEF_INT
+    assert cfg.netName is None  # NCCL_CONFIG_UNDEF_PTR
+
+
+def test_config_of_a_newer_library_describes_the_newest_known_header():
+    cfg = make_config(23501, blocking=1)
+    assert cfg.version == nccl.CONFIG_NEWEST_KNOWN and cfg.size == 120 and cfg.blocking == 1
+
+
+def test_config_refuses_old_versions_and_unknown_fields():
+    with pytest.raises(ValueError, match="2.14"):
+        config_struct(21303)
+    with pytest.raises(ValueError, match="trafficClass"):
+        make_config(22304, trafficClass=1)
+
+
+# -- unique ids and errors ------------------------------------------------------------------------
+
+
+def test_unique_id_round_trip():
+    data = bytes(range(128))
+    uid = ncclUniqueId.from_bytes(data)
+    assert ctypes.sizeof(uid) == 128 and uid.to_bytes() == data
+    with pytest.raises(ValueError, match="128 bytes"):
+        ncclUniqueId.from_bytes(b"\0" * 127)
+
+
+def _fake_library(strings: dict[int, bytes]) -> NcclLibrary:
+    lib = NcclLibrary.__new__(NcclLibrary)
+    lib._fns = {"ncclGetErrorString": lambda code: strings.get(code, b"")}
+    lib.path, lib.version_code, lib.version = "fake", 22304, "2.23.4"
+    return lib
+
+
+def test_error_mapping():
+    lib = _fake_library({4: b"invalid argument (run with NCCL_DEBUG=WARN for details)"})
+    with pytest.raises(NcclError) as e:
+        lib.check(4, "ncclSend")
+    assert e.value.code == 4 and e.value.code_name == "ncclInvalidArgument"
+    assert str(e.value) == "ncclSend failed: ncclInvalidArgument (4): invalid argument (run with NCCL_DEBUG=WARN for details)"
+    assert isinstance(e.value, TransportError)  # the worker reports it as a data-plane failure
+    assert lib.check(0, "ncclSend") == 0
+    assert lib.check(7, "ncclGroupEnd", in_progress_ok=True) == 7
+    with pytest.raises(NcclError, match="ncclInProgress"):
+        lib.check(7, "ncclGroupEnd")
+    assert NcclError("ncclX", 42).code_name == "ncclResult 42"
+    assert [nccl.RESULT_NAMES[c] for c in (1, 2, 3, 6, 8)] == [
+        "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError", "ncclRemoteError", "ncclTimeout"]
+
+
+def test_function_table_has_each_call_the_transport_uses():
+    names = {f.name for f in nccl.FUNCTIONS}
+    assert {"ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig", "ncclCommGetAsyncError", "ncclCommAbort",
+            "ncclCommDestroy", "ncclCommFinalize", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
+            "ncclGetErrorString"} <= names
+    send = next(f for f in nccl.FUNCTIONS if f.name == "ncclSend")
+    assert send.argtypes == (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+# -- library discovery on fake trees --------------------------------------------------------------
+
+
+def _wheel(site, major: int, version: str = "2.21.5", with_lib: bool = True):
+    name = f"nvidia_nccl_cu{major}-{version}.dist-info"
+    info = site / name
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-cu{major}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"nvidia/nccl/lib/libnccl.so.2,,\nnvidia/nccl/include/nccl.h,,\n{name}/RECORD,,\n")
+    lib = site / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    if with_lib:
+        lib.parent.mkdir(parents=True)
+        lib.write_bytes(b"\x7fELF")
+    return str(lib)
+
+
+@pytest.fixture
+def trees(tmp_path):
+    cu12, cu13, torch_lib, sys_lib = (tmp_path / n for n in ("site12", "site13", "torchlib", "syslib"))
+    for d in (cu12, cu13, torch_lib, sys_lib):
+        d.mkdir()
+    return {"cu12": cu12, "cu13": cu13, "torch": torch_lib, "sys": sys_lib, "root": tmp_path}
+
+
+def test_env_override_wins(trees):
+    _wheel(trees["cu12"], 12)
+    mine = trees["root"] / "custom" / "libnccl.so.2"
+    mine.parent.mkdir()
+    mine.write_bytes(b"")
+    c = choose_library(env={"RESHARD_NCCL_LIBRARY": str(mine)}, torch_cuda="12.8", site_dirs=[str(trees["cu12"])])
+    assert (c.path, c.source) == (str(mine), "env") and "RESHARD_NCCL_LIBRARY" in c.reason
+    with pytest.raises(NcclUnavailable, match="RESHARD_NCCL_LIBRARY=.*is not a file"):
+        choose_library(env={"RESHARD_NCCL_LIBRARY": str(mine) + ".missing"}, torch_cuda="12.8", site_dirs=[])
+
+
+@pytest.mark.parametrize("torch_cuda,major", [("12.8", 12), ("13.0", 13)])
+def test_wheel_matching_torchs_cuda_major(trees, torch_cuda, major):
+    libs = {12: _wheel(trees["cu12"], 12, "2.27.7"), 13: _wheel(trees["cu13"], 13, "2.28.9")}
+    (trees["torch"] / "libnccl.so.2").write_bytes(b"")
+    c = choose_library(env={}, torch_cuda=torch_cuda, site_dirs=[str(trees["cu12"]), str(trees["cu13"])],
+                       torch_lib_dir=str(trees["torch"]))
+    assert (c.path, c.source) == (libs[major], "wheel")
+    assert f"nvidia-nccl-cu{major}" in c.reason and torch_cuda in c.reason
+
+
+def test_torch_library_before_a_mismatched_wheel(trees):
+    _wheel(trees["cu13"], 13)
+    (trees["torch"] / "libnccl.so.2").write_bytes(b"")
+    (trees["torch"] / "libtorch_cuda.so").write_bytes(b"")
+    c = choose_library(env={}, torch_cuda="12.4", site_dirs=[str(trees["cu13"])], torch_lib_dir=str(trees["torch"]))
+    assert (c.path, c.source) == (str(trees["torch"] / "libnccl.so.2"), "torch")
+
+
+def test_mismatched_wheel_when_nothing_else(trees):
+    lib = _wheel(trees["cu13"], 13)
+    c = choose_library(env={}, torch_cuda="12.4", site_dirs=[str(trees["cu13"])], torch_lib_dir=str(trees["torch"]),
+                       system_dirs=[str(trees["sys"])])
+    assert (c.path, c.source) == (lib, "wheel") and "does not match" in c.reason
+
+
+def test_cpu_torch_takes_an_installed_wheel(trees):
+    lib = _wheel(trees["cu12"], 12)
+    c = choose_library(env={}, torch_cuda=None, site_dirs=[str(trees["cu12"])])
+    assert c.path == lib and "CPU build" in c.reason
+
+
+def test_wheel_without_its_library_is_skipped_then_system(trees):
+    _wheel(trees["cu12"], 12, with_lib=False)
+    (trees["sys"] / "libnccl.so.2").write_bytes(b"")
+    c = choose_library(env={}, torch_cuda="12.8", site_dirs=[str(trees["cu12"])], torch_lib_dir=None,
+                       system_dirs=[str(trees["root"] / "nowhere"), str(trees["sys"])])
+    assert (c.path, c.source, c.exists) == (str(trees["sys"] / "libnccl.so.2"), "system", True)
+
+
+def test_ld_library_path_then_the_loader(trees):
+    (trees["sys"] / "libnccl.so.2").write_bytes(b"")
+    c = choose_library(env={"LD_LIBRARY_PATH": str(trees["sys"])}, torch_cuda="12.8", site_dirs=[], system_dirs=[])
+    assert c.path == str(trees["sys"] / "libnccl.so.2")
+    c = choose_library(env={}, torch_cuda="12.8", site_dirs=[], system_dirs=[str(trees["root"] / "nowhere")])
+    assert (c.path, c.source, c.exists) == ("libnccl.so.2", "system", False)
+
+
+def test_loading_something_that_is_not_nccl_fails_clearly(trees):
+    bogus = trees["root"] / "libnccl.so.2"
+    bogus.write_bytes(b"not an ELF file")
+    with pytest.raises(NcclUnavailable, match="cannot load .*RESHARD_NCCL_LIBRARY"):
+        nccl.load_library(LibraryChoice(path=str(bogus), source="env", reason="test"))
+
+
+# -- a real libnccl, where one is installed (the gpu extra, or RESHARD_NCCL_LIBRARY) ---------------
+
+
+@pytest.fixture(scope="module")
+def real_lib():
+    try:
+        choice = nccl.current_choice()
+        if not choice.exists:
+            pytest.skip("no libnccl installed (pip install '.[gpu]' or set RESHARD_NCCL_LIBRARY)")
+        return nccl.load_library(choice)
+    except NcclUnavailable as e:
+        pytest.skip(f"no usable libnccl: {e}")
+
+
+def test_real_library_version_and_unique_ids(real_lib):
+    assert real_lib.version == version_string(real_lib.version_code)
+    assert decode_version(real_lib.version_code) >= (2, 14, 0)
+    a, b = real_lib.unique_id(), real_lib.unique_id()
+    assert len(a) == len(b) == 128 and a != b
+    assert "invalid argument" in real_lib.error_string(4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without a GPU")
+def test_real_library_init_without_a_gpu_raises_a_typed_error(real_lib):
+    with pytest.raises(NcclError) as e:
+        real_lib.comm_init_rank(1, real_lib.unique_id(), 0)
+    assert e.value.code not in (0, 7) and e.value.code_name.startswith("nccl")
+
+
+# -- backend selection ------------------------------------------------------------------------------
+
+
+def test_backend_auto():
+    assert select_backend("auto", {0: "cpu", 1: "cpu"}, {0: "cpu"}) == "gloo"
+    assert select_backend("auto", {0: "cuda:0", 1: "cuda:1"}, {0: "cuda:0", 1: "cuda:3"}) == "nccl"
+    assert select_backend("auto", {0: ""}, {0: "cpu"}) == "gloo"  # a worker that does not report: cpu
+
+
+def test_backend_forced():
+    assert select_backend("nccl", {0: "cuda:0"}, {0: "cuda:1"}) == "nccl"
+    assert select_backend("gloo", {0: "cpu"}, {0: "cpu"}) == "gloo"
+    with pytest.raises(BackendError, match=r"--backend nccl needs CUDA buffers, but trainer ranks \[0, 1\] and inference ranks \[0\]"):
+        select_backend("nccl", {0: "cpu", 1: "cpu"}, {0: "cpu"})
+    with pytest.raises(BackendError, match="--backend gloo moves CPU buffers"):
+        select_backend("gloo", {0: "cuda:0"}, {0: "cuda:0"})
+
+
+def test_mixed_session_refused_naming_ranks():
+    with pytest.raises(BackendError) as e:
+        select_backend("auto", {0: "cuda:0", 1: "cpu"}, {0: "cuda:0", 1: "cuda:1", 2: "cpu", 3: "cpu"})
+    msg = str(e.value)
+    assert "mixed CPU/GPU session refused" in msg
+    assert "trainer ranks [1] and inference ranks [2, 3] hold CPU buffers" in msg
+    assert "trainer ranks [0] and inference ranks [0, 1] hold CUDA buffers" in msg
+    for forced in ("gloo", "nccl"):
+        with pytest.raises(BackendError, match="mixed"):
+            select_backend(forced, {0: "cuda:0"}, {0: "cpu"})
+
+
+def test_backend_bad_names_and_devices():
+    with pytest.raises(BackendError, match="valid backends: auto, gloo, nccl"):
+        select_backend("mpi", {}, {})
+    with pytest.raises(BackendError, match="meta"):
+        select_backend("auto", {0: "meta"}, {0: "cpu"})
+
+
+def test_buffers_device():
+    assert buffers_device([torch.zeros(2), torch.zeros(3)]) == "cpu"
+    assert buffers_device([]) == "cpu"
+    with pytest.raises(ValueError, match="one device"):
+        buffers_device([torch.zeros(2), torch.empty(2, device="meta")])
+
+
+def test_transport_registry_knows_nccl():
+    assert transport_class("nccl") is NcclTransport
+    with pytest.raises(ValueError, match="valid transports: gloo, nccl"):
+        transport_class("mpi")
+
+
+def test_nccl_transport_refuses_cpu_buffers_and_sessions_without_an_id():
+    from reshard.proto import reshard_pb2 as pb
+
+    with pytest.raises(TransportError, match="CUDA buffers; this worker's are on cpu"):
+        NcclTransport(b"\0" * 128, 0, 2, 1.0, device="cpu")
+    with pytest.raises(TransportError, match="no nccl_unique_id"):
+        NcclTransport.for_session(pb.Session(id="s1", transport="nccl"), 0, 2, 1.0, device="cuda:0")
+
+
+# -- the transport's logic against a fake library and fake streams ------------------------------------
+
+
+class FakeEvent:
+    def __init__(self, cuda):
+        self.cuda, self.polls = cuda, 0
+
+    def record(self, stream):
+        self.stream = stream
+
+    def query(self):
+        self.polls += 1
+        return self.cuda.complete_after is not None and self.polls > self.cuda.complete_after
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait_event(self, ev):
+        self.waits += 1
+
+
+class FakeCuda:
+    def __init__(self):
+        self.complete_after = 0  # events complete after this many polls (None: never)
+        self.current = FakeStream()
+
+    def set_device(self):
+        pass
+
+    def stream(self):
+        return FakeStream()
+
+    def event(self):
+        return FakeEvent(self)
+
+    def current_stream(self):
+        return self.current
+
+    def use_stream(self, s):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def free_bytes(self):
+        return 1 << 30
+
+    def reserved_bytes(self):
+        return 0
+
+
+class FakeNccl:
+    """Async-error answers come from a script: a list of codes, the last one repeating."""
+
+    version = "2.23.4"
+
+    def __init__(self, async_codes=(0,), group_end=0):
+        self.async_codes, self.group_end_code = list(async_codes), group_end
+        self.calls: list[tuple] = []
+        self.aborted = self.destroyed = 0
+
+    def has(self, name):
+        return True
+
+    def error_string(self, code):
+        return {6: "remote process exited or there was a network error"}.get(code, "")
+
+    def last_error(self, comm=None):
+        return ""
+
+    def comm_init_rank(self, world, uid, rank, blocking=False):
+        self.calls.append(("init", world, rank, blocking))
+        return "comm"
+
+    def comm_async_error(self, comm):
+        return self.async_codes.pop(0) if len(self.async_codes) > 1 else self.async_codes[0]
+
+    def comm_abort(self, comm):
+        self.aborted += 1
+
+    def comm_finalize(self, comm):
+        self.calls.append(("finalize",))
+        return 7
+
+    def comm_destroy(self, comm):
+        self.destroyed += 1
+
+    def group_start(self):
+        self.calls.append(("group_start",))
+
+    def group_end(self):
+        self.calls.append(("group_end",))
+        return self.group_end_code
+
+    def send(self, ptr, n, peer, comm, stream):
+        self.calls.append(("send", peer, n))
+        return 0
+
+    def recv(self, ptr, n, peer, comm, stream):
+        self.calls.append(("recv", peer, n))
+        return 0
+
+    def broadcast(self, sptr, rptr, n, root, comm, stream):
+        self.calls.append(("broadcast", root, n))
+        return 0
+
+
+def _transport(lib, cuda=None, rank=0, world=4, timeout=5.0):
+    return NcclTransport(b"\0" * 128, rank, world, timeout, device="cpu", session="s", library=lib, cuda=cuda or FakeCuda())
+
+
+def test_init_is_non_blocking_and_settles():
+    lib = FakeNccl(async_codes=[7, 7, 7, 0])
+    t = _transport(lib)
+    assert lib.calls[0] == ("init", 4, 0, False)
+    assert lib.async_codes == [0] and lib.aborted == 0 and t.init_seconds >= 0
+
+
+def test_a_peer_that_never_joins_is_aborted_at_the_deadline():
+    lib = FakeNccl(async_codes=[7])
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="joining NCCL session s as rank 0 of 4: not done within 0.2s .*aborted"):
+        _transport(lib, timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 1.5
+    assert lib.aborted == 1
+
+
+def test_an_async_error_aborts_with_its_name():
+    lib = FakeNccl(async_codes=[7, 6])
+    with pytest.raises(NcclError, match="ncclRemoteError .*remote process exited.*communicator aborted"):
+        _transport(lib)
+    assert lib.aborted == 1
+
+
+def test_a_round_is_one_group_in_matching_order():
+    lib, cuda = FakeNccl(), FakeCuda()
+    t = _transport(lib, cuda)
+    buf = lambda n: torch.zeros(n, dtype=torch.uint8)  # noqa: E731
+    works = [t.send(buf(10), 3, 5), t.recv(buf(11), 1, 2), t.send(buf(12), 1, 9), t.recv(buf(13), 1, 1)]
+    assert not any(c[0] in ("send", "recv") for c in lib.calls)  # held until the round is flushed
+    t.flush()
+    ops = lib.calls[lib.calls.index(("group_start",)):]
+    assert ops == [("group_start",), ("recv", 1, 13), ("recv", 1, 11), ("send", 1, 12), ("send", 3, 10), ("group_end",)]
+    assert t.comm_stream.waits == 1  # the comm stream waits for the copies
+    for w in works:
+        w.wait(1.0)
+
+
+def test_wait_flushes_what_was_posted():
+    lib = FakeNccl()
+    t = _transport(lib)
+    t.send(torch.zeros(4, dtype=torch.uint8), 2, 0).wait(1.0)
+    assert ("send", 2, 4) in lib.calls and ("group_end",) in lib.calls
+
+
+def test_a_frozen_peer_fails_the_wait_and_the_session():
+    lib, cuda = FakeNccl(), FakeCuda()
+    t = _transport(lib, cuda)
+    cuda.complete_after = None  # the receive never completes
+    w = t.recv(torch.zeros(8, dtype=torch.uint8), 1, 0)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="receive from rank 1 .* not done within 0.2s"):
+        w.wait(0.2)
+    assert time.monotonic() - t0 < 1.5 and lib.aborted == 1 and t.abort_seconds is not None
+    with pytest.raises(TransportError, match="unusable"):
+        t.send(torch.zeros(1, dtype=torch.uint8), 1, 0)
+
+
+def test_group_in_progress_settles_before_its_event():
+    lib, cuda = FakeNccl(group_end=7), FakeCuda()
+    t = _transport(lib, cuda)
+    w = t.send(torch.zeros(4, dtype=torch.uint8), 1, 0)
+    t.flush()
+    lib.async_codes = [7, 7, 0]  # connections to the new peer being set up
+    w.wait(1.0)
+    assert lib.async_codes == [0]
+
+
+def test_posts_are_checked():
+    t = _transport(FakeNccl())
+    with pytest.raises(TransportError, match="contiguous uint8"):
+        t.send(torch.zeros(4, dtype=torch.float32), 1, 0)
+    with pytest.raises(TransportError, match="outside a session of 4"):
+        t.recv(torch.zeros(4, dtype=torch.uint8), 4, 0)
+
+
+def test_broadcast_whole_world_and_subset():
+    lib = FakeNccl()
+    t = _transport(lib, rank=0, world=3)
+    t.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 1, 2)).wait(1.0)
+    assert ("broadcast", 0, 6) in lib.calls
+    t.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 2)).wait(1.0)
+    assert ("send", 2, 6) in lib.calls
+    t2 = _transport(FakeNccl(), rank=2, world=3)
+    t2.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 2)).wait(1.0)
+    assert ("recv", 0, 6) in t2.lib.calls
+
+
+def test_close_finalizes_or_aborts(monkeypatch):
+    lib = FakeNccl()
+    t = _transport(lib)
+    t.close()
+    assert ("finalize",) in lib.calls and lib.destroyed == 1 and lib.aborted == 0
+    monkeypatch.setattr("reshard.common.nccl_transport.CLOSE_TIMEOUT_S", 0.1)
+    lib = FakeNccl()
+    t = _transport(lib)
+    lib.async_codes = [7]  # a peer that never finalizes
+    t.close()
+    assert lib.destroyed == 0 and lib.aborted == 1
+
+
+# -- staging pool, worker device and memory -----------------------------------------------------------
+
+
+def test_staging_pool_is_reused_and_warns_past_its_limit(caplog):
+    pool = StagingPool(limit_bytes=1024)
+    assert pool.device == torch.device("cpu") and pool.nbytes == 0
+    a = pool.get(512)
+    assert pool.get(256).data_ptr() == a.data_ptr() and pool.allocations == 1
+    with caplog.at_level(logging.WARNING, logger="reshard.engine"):
+        pool.get(1024)
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING, logger="reshard.engine"):
+        pool.get(4096)
+    assert pool.nbytes == 4096 and "over the" in caplog.text and "bucket" in caplog.text
+
+
+def test_worker_reports_device_and_memory():
+    from reshard.common.layout import Box, LocalBuffer, Piece, TensorSpec
+    from reshard.trainer_svc.worker import TrainerWorker
+
+    spec = TensorSpec("w", (4, 8), "float32")
+    desc = LocalBuffer("w", (4, 8), "float32", (Piece("w", Box((0, 0), (4, 8)), Box((0, 0), (4, 8))),))
+    w = TrainerWorker("127.0.0.1:1", 0, 1, {"w": spec}, {"w": (desc, torch.zeros(4, 8))}, snapshot=True)
+    try:
+        assert w.device == "cpu"
+        assert w.memory_report() == {"staging": 0, "snapshot": 4 * 8 * 4}
+    finally:
+        w.stop()
+
+
+# -- reshard doctor ---------------------------------------------------------------------------------
+
+
+def test_doctor_json_on_cpu(tmp_path):
+    env = dict(os.environ, RESHARD_NCCL_LIBRARY=str(tmp_path / "missing" / "libnccl.so.2"))
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "doctor", "--json"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    for key in ("torch_version", "torch_cuda", "cuda_available", "cuda_devices", "nccl_library", "nccl_version",
+                "gloo_available", "nccl_error"):
+        assert key in info, key
+    assert info["torch_version"] == torch.__version__ and info["gloo_available"] is True
+    assert info["nccl_version"] is None and "RESHARD_NCCL_LIBRARY" in info["nccl_error"]
+
+
+def test_doctor_text():
+    from reshard import doctor
+
+    info = doctor.collect()
+    text = doctor.render(info)
+    assert f"torch {torch.__version__}" in text and "gloo: available" in text
+    assert ("NCCL " + info["nccl_version"] if info["nccl_version"] else "NCCL: none usable") in text
