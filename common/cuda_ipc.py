@@ -19,15 +19,45 @@ not yet a session backend that the update lifecycle picks on its own.
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from reshard.proto import worker_pb2 as wpb
+import torch
 
 from .planner import Plan
 
 
-def export_tensor(t: torch.Tensor, name: str = "") -> wpb.CudaIpcHandle:
-    """An IPC handle of CUDA tensor `t` (a view of its allocation), as a protobuf message."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class IpcHandle:
+    """One buffer's CUDA IPC handle: torch's CUDA tensor reduction, field by field (the
+    `reshard.worker.v1.CudaIpcHandle` message has the same fields)."""
+
+    name: str
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def to_proto(self):
+        from reshard.proto import worker_pb2 as wpb
+
+        return wpb.CudaIpcHandle(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_proto(cls, m) -> "IpcHandle":
+        kw = {f.name: getattr(m, f.name) for f in dataclasses.fields(cls)}
+        return cls(**dict(kw, shape=tuple(m.shape), stride=tuple(m.stride)))
+
+
+def export_tensor(t: torch.Tensor, name: str = "") -> IpcHandle:
+    """An IPC handle of CUDA tensor `t` (a view of its allocation)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if t.device.type != "cuda":
@@ -36,14 +66,13 @@ def export_tensor(t: torch.Tensor, name: str = "") -> wpb.CudaIpcHandle:
     _, args = reduce_tensor(t)
     (_cls, size, stride, offset, _scls, dtype, device, handle, storage_bytes, storage_offset, _grad,
      ref_handle, ref_offset, event_handle, event_sync) = args
-    return wpb.CudaIpcHandle(
-        name=name, device=int(device), handle=handle, storage_bytes=storage_bytes, storage_offset=storage_offset,
-        ref_counter_handle=ref_handle or b"", ref_counter_offset=ref_offset or 0, event_handle=event_handle or b"",
-        event_sync_required=bool(event_sync), dtype=str(dtype).removeprefix("torch."), shape=list(size),
-        stride=list(stride), offset=offset)
+    return IpcHandle(name=name, device=int(device), handle=handle, storage_bytes=storage_bytes,
+                     storage_offset=storage_offset, ref_counter_handle=ref_handle or b"", ref_counter_offset=ref_offset or 0,
+                     event_handle=event_handle or b"", event_sync_required=bool(event_sync),
+                     dtype=str(dtype).removeprefix("torch."), shape=tuple(size), stride=tuple(stride), offset=offset)
 
 
-def import_tensor(h: wpb.CudaIpcHandle) -> torch.Tensor:
+def import_tensor(h: IpcHandle) -> torch.Tensor:
     """The exporter's tensor, mapped into this process (a view of its memory, not a copy)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -54,13 +83,16 @@ def import_tensor(h: wpb.CudaIpcHandle) -> torch.Tensor:
 
 
 def export_buffers(buffers: dict[str, torch.Tensor]) -> bytes:
-    """Every buffer's handle, as one serialized `CudaIpcHandles` message."""
-    return wpb.CudaIpcHandles(handles=[export_tensor(t, n) for n, t in buffers.items()]).SerializeToString()
+    """Every buffer's handle, as one serialized `CudaIpcHandles` message (fits any gRPC message)."""
+    from reshard.proto import worker_pb2 as wpb
+
+    return wpb.CudaIpcHandles(handles=[export_tensor(t, n).to_proto() for n, t in buffers.items()]).SerializeToString()
 
 
 def import_buffers(data: bytes) -> dict[str, torch.Tensor]:
-    msg = wpb.CudaIpcHandles.FromString(data)
-    return {h.name: import_tensor(h) for h in msg.handles}
+    from reshard.proto import worker_pb2 as wpb
+
+    return {h.name: import_tensor(IpcHandle.from_proto(h)) for h in wpb.CudaIpcHandles.FromString(data).handles}
 
 
 def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, torch.Tensor]],

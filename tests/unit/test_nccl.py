@@ -578,3 +578,66 @@ def test_doctor_text():
     text = doctor.render(info)
     assert f"torch {torch.__version__}" in text and "gloo: available" in text
     assert ("NCCL " + info["nccl_version"] if info["nccl_version"] else "NCCL: none usable") in text
+
+
+# -- the engine drives a transport round by round ------------------------------------------------------
+
+
+def test_engine_flushes_once_per_round_inside_the_copy_context():
+    import contextlib
+
+    from reshard.common.engine import Engine
+    from reshard.common.layout import Box, Layout, LocalBuffer, Piece, TensorSpec
+    from reshard.common.planner import PlanOptions, make_plan
+    from tests.unit.loopback import Loopback
+
+    class Recording(Loopback):
+        def __init__(self, rank, wire):
+            super().__init__(rank, wire)
+            self.flushes, self.inside = 0, False
+
+        def flush(self):
+            assert self.inside, "flushed outside the copy context"
+            self.flushes += 1
+
+        @contextlib.contextmanager
+        def copy_context(self):
+            self.inside = True
+            yield
+            self.inside = False
+
+    rows, cols = 64, 96
+    specs = {"w": TensorSpec("w", (rows, cols), "float32")}
+    src = Layout(specs, ((LocalBuffer("w", (rows, cols), "float32", (Piece("w", Box.full((rows, cols)), Box.full((rows, cols))),)),),))
+    half = cols // 2  # two destination ranks holding column halves: strided, so staged
+    dst = Layout(specs, tuple((LocalBuffer("w", (rows, half), "float32", (Piece("w", Box.full((rows, half)), Box((0, r * half), (rows, half))),)),)
+                              for r in range(2)))
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=4096, max_message_bytes=4096))
+    full = torch.randn(rows, cols)
+    wire: dict = {}
+    deadline = time.monotonic() + 30
+    sender = Recording(0, wire)
+    Engine(sender, plan, "src", 0, {"w": full.clone()}, {"w": (rows, cols)}, StagingPool(), deadline).run()
+    assert sender.flushes == len({m.round for m in plan.sends[0]}) > 1 and not sender.inside
+    for r in range(2):
+        out = torch.full((rows, half), float("nan"))
+        receiver = Recording(1 + r, wire)
+        Engine(receiver, plan, "dst", r, {"w": out}, {"w": (rows, cols)}, StagingPool(), deadline).run()
+        assert receiver.flushes == len({m.round for m in plan.recvs[r]})
+        assert torch.equal(out, full[:, r * half:(r + 1) * half])
+
+
+# -- CUDA IPC handles (the mapping itself is GPU-checked only) -----------------------------------------
+
+
+def test_ipc_handle_proto_round_trip_and_cpu_refusal():
+    from reshard.common.cuda_ipc import IpcHandle, export_tensor
+    from reshard.proto import worker_pb2 as wpb
+
+    h = IpcHandle(name="w", device=1, handle=b"\1" * 64, storage_bytes=4096, storage_offset=512, ref_counter_handle=b"ref",
+                  ref_counter_offset=3, event_handle=b"\2" * 64, event_sync_required=True, dtype="bfloat16", shape=(2, 5),
+                  stride=(5, 1), offset=7)
+    wire = wpb.CudaIpcHandles(handles=[h.to_proto()]).SerializeToString()
+    assert IpcHandle.from_proto(wpb.CudaIpcHandles.FromString(wire).handles[0]) == h
+    with pytest.raises(ValueError, match="CUDA IPC exports CUDA tensors; w is on cpu"):
+        export_tensor(torch.zeros(3), "w")
