@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test venv proto clean
+.PHONY: demo test venv proto clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# On a GPU machine: every GPU test and a short GPU benchmark, figures as JSON (no install needed;
+# uses the python on PATH, which must have CUDA torch and an NCCL wheel or RESHARD_NCCL_LIBRARY).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --out out/gpu-check.json
 
 proto: $(STAMP)
 	$(PY) -m reshard.proto.generate

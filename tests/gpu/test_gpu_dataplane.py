@@ -1,0 +1,141 @@
+"""The GPU data plane on a real GPU (`make gpu-check`; skipped without CUDA or libnccl)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from reshard.common.backend import buffers_device
+from reshard.common.engine import Engine, StagingPool
+from reshard.common.frameworks import build
+from reshard.common.layout import dtype_of
+from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.synth import init_box
+from reshard.common.transport import TransportError
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from reshard.common.nccl import NcclUnavailable, load_library
+
+    try:
+        return load_library()
+    except NcclUnavailable as e:
+        pytest.skip(f"no libnccl: {e}")
+
+
+def _filled(layout, rank, dev):
+    bufs = {}
+    for b in layout.ranks[rank]:
+        cpu = torch.zeros(b.shape, dtype=dtype_of(b.dtype))
+        for p in b.pieces:
+            init_box(p.view(cpu), 0, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
+        bufs[b.name] = cpu.to(dev)
+    return bufs
+
+
+def _check(layout, rank, bufs):
+    for b in layout.ranks[rank]:
+        held = bufs[b.name].cpu()
+        for p in b.pieces:
+            want = torch.empty(p.box.size, dtype=dtype_of(b.dtype))
+            init_box(want, 0, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
+            assert torch.equal(p.view(held), want), f"rank {rank} {b.name} {p.tensor}"
+
+
+def test_self_send_recv(lib):
+    from reshard.common.nccl_transport import NcclTransport
+
+    t = NcclTransport(lib.unique_id(), 0, 1, 30.0, device="cuda:0", session="self")
+    a = torch.randint(0, 255, (10 << 20,), dtype=torch.uint8, device="cuda:0")
+    b = torch.zeros_like(a)
+    works = [t.send(a, 0, 3), t.recv(b, 0, 3)]
+    t.flush()
+    for w in works:
+        w.wait(30.0)
+    assert torch.equal(a, b)
+    t.close()
+
+
+def test_a_peer_that_never_joins_fails_at_the_deadline(lib):
+    from reshard.common.nccl_transport import NcclTransport
+
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="not done within 3.0s"):
+        NcclTransport(lib.unique_id(), 0, 2, 3.0, device="cuda:0", session="lonely")
+    assert time.monotonic() - t0 < 3.0 + 10.0
+
+
+def test_engine_on_device_buffers():
+    """pack/unpack and direct segments with CUDA buffers and a device staging pool (loopback wire)."""
+    from tests.unit.loopback import Loopback
+
+    src, dst = build("small", "framework=megatron,tp=2"), build("small", "framework=vllm,tp=2")
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=1 << 16))
+    shapes = {n: t.shape for n, t in src.tensors.items()}
+    wire: dict = {}
+    deadline = time.monotonic() + 60
+    for r in range(src.world):
+        Engine(Loopback(r, wire), plan, "src", r, _filled(src, r, "cuda:0"), shapes, StagingPool("cuda:0"), deadline).run()
+    for r in range(dst.world):
+        out = {b.name: torch.zeros(b.shape, dtype=dtype_of(b.dtype), device="cuda:0") for b in dst.ranks[r]}
+        Engine(Loopback(src.world + r, wire), plan, "dst", r, out, shapes, StagingPool("cuda:0"), deadline).run()
+        _check(dst, r, out)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts one rank per GPU: needs two")
+def test_engine_over_nccl_two_gpus(lib):
+    from reshard.common.nccl_transport import NcclTransport
+
+    src, dst = build("small", "framework=megatron,tp=1"), build("small", "framework=vllm,tp=1")
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=1 << 16))
+    shapes = {n: t.shape for n, t in src.tensors.items()}
+    uid = lib.unique_id()
+    out = {b.name: torch.zeros(b.shape, dtype=dtype_of(b.dtype), device="cuda:1") for b in dst.ranks[0]}
+    errors = []
+
+    def side(role, rank, dev, bufs):
+        try:
+            torch.cuda.set_device(dev)
+            t = NcclTransport(uid, rank, 2, 60.0, device=dev, session="two")
+            Engine(t, plan, role, 0, bufs, shapes, StagingPool(dev), time.monotonic() + 60).run()
+            t.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=side, args=("src", 0, "cuda:0", _filled(src, 0, "cuda:0"))),
+               threading.Thread(target=side, args=("dst", 1, "cuda:1", out))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    _check(dst, 0, out)
+
+
+def test_cuda_ipc_between_two_processes():
+    from reshard.gpu_check import section_ipc
+
+    res = section_ipc(torch.device("cuda", 0))
+    assert res["verified"], res["mismatches"]
+    assert res["bytes"] > 0
+
+
+def test_workers_report_cuda_device_and_memory():
+    from reshard.trainer_svc.worker import TrainerWorker
+
+    lay = build("tiny", "framework=megatron,tp=1")
+    bufs = {b.name: (b, torch.zeros(b.shape, dtype=dtype_of(b.dtype), device="cuda")) for b in lay.ranks[0]}
+    assert buffers_device(t for _, t in bufs.values()) == f"cuda:{torch.cuda.current_device()}"
+    w = TrainerWorker("127.0.0.1:1", 0, 1, lay.tensors, bufs, snapshot=True)
+    try:
+        rep = w.memory_report()
+        assert w.device.startswith("cuda:") and rep["snapshot"] == sum(t.nbytes for _, t in bufs.values())
+        assert w._pool.device.type == "cuda"
+    finally:
+        w.stop()
