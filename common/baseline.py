@@ -47,7 +47,7 @@ def _buckets(dst: Layout, bucket_bytes: int) -> list[list[tuple[str, int, int]]]
 
 def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: Layout,
         buffers: dict[str, torch.Tensor], shapes, pool: StagingPool, deadline: float, progress, timeout: float,
-        bucket_bytes: int = 32 << 20):
+        bucket_bytes: int = 32 << 20, checksums: bool = True):
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -62,7 +62,15 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
     sums: dict = {}
     csum = 0.0
     if side == "src":
-        gplan = make_plan(src, _gather_layout(src), PlanOptions(bucket_bytes=bucket_bytes))
+        # The gather is planned once per layout (staging of at most 32 MiB per round); the
+        # broadcast buckets may be larger.
+        key = ("gather", src.fingerprint(), min(bucket_bytes, 32 << 20))
+        gplan = cache.get(key)
+        if gplan is None:
+            gplan = make_plan(src, _gather_layout(src), PlanOptions(bucket_bytes=key[2]))
+            for old in [k for k in cache if isinstance(k, tuple) and k[0] == "gather"]:
+                del cache[old]
+            cache[key] = gplan
         if rank != 0:
             eng = Engine(transport, gplan, "src", rank, buffers, shapes, pool, deadline, checksums=False, dst_offset=0)
             eng.run()
@@ -88,6 +96,8 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
             transport.broadcast(staging[:pos], members).wait(left())
             done += pos
             progress(done, total)
+        if not checksums:
+            return sums, done, csum
         t0 = time.perf_counter()
         for drank, bufs in enumerate(dst.ranks):
             for buf in bufs:

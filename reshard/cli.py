@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--trainer-workers", type=int, default=2)
     p.add_argument("--inference-workers", type=int, default=4)
+
+    from reshard.bench import add_parser as bench_parser
+    from reshard.simulate_cmd import add_parser as simulate_parser
+
+    bench_parser(sub)
+    simulate_parser(sub)
     return ap
 
 
@@ -313,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.demo import run_demo
 
         return run_demo(a)
+    if a.command in ("bench", "simulate"):
+        return a._main(a)
     from reshard.common.rpc import new_event_loop
 
     fn = {"update": cmd_update, "status": cmd_status, "dump": cmd_dump, "attach": cmd_attach, "detach": cmd_attach}[a.command]

@@ -1,0 +1,373 @@
+"""The ways `reshard bench` moves one update, run by every rank over one Transport.
+
+Ranks: trainer r is transport rank r, inference d is S + d. Every method moves the
+same model (synthetic weights, `synth`, step 0) between the same two layouts:
+
+- reshard: our plan and engine, as the workers run them (sender checksums when verifying;
+  the receivers then compare them with `receiver_checksums`, as the services do at VERIFY).
+- serialized: `baseline.run` (gather on trainer rank 0, broadcast whole tensors in buckets).
+- broadcast: per-tensor broadcast from the owning trainer ranks, no gather. Every distinct
+  source box (a piece held by a trainer rank; replicated boxes are sent by one holder, the
+  least loaded) is broadcast by its owner, as it lies in the owner's buffer, to every
+  inference rank; the boxes of one tensor together make the whole tensor, so every inference
+  rank receives every whole tensor, and copies out the parts it holds. Owners run at the same
+  time: the k-th box of every owner is in flight together.
+- ceiling: the plan's own messages (the same byte matrix, relays included, the same rounds and
+  tags) as plain preallocated buffers: no packing, no checksums, no control plane.
+
+Memory is accounted as the bytes of the staging and scratch tensors a method allocates and
+keeps (model buffers excluded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+from . import baseline
+from .checksum import P
+from .engine import Engine, StagingPool, receiver_checksums
+from .layout import Layout, dtype_of
+from .planner import Plan, Side
+from .synth import init_box
+from .transport import Transport, Work
+
+METHODS = ("reshard", "reshard+verify", "serialized", "broadcast", "ceiling")
+SENTINEL = 0xFF  # as bf16 (0xFFFF) a NaN: synthetic weights never hold one
+_CSUM_TAG = 1 << 28
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    bytes: int = 0
+    """Bytes this rank received over the transport (gather senders count what they sent to rank 0)."""
+    extra_bytes: int = 0
+    """Staging and scratch bytes the method holds on this rank."""
+    ok: bool | None = None
+    """Receiver-side verification (checksums) where the method does it."""
+
+
+def _timeout(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def _wait_all(works: list[Work], deadline: float) -> None:
+    for w in works:
+        w.wait(_timeout(deadline))
+
+
+class RankBench:
+    """One rank's state for one layout pair: its buffers (synthetic weights on trainer ranks,
+    receive buffers and their expected contents on inference ranks) and the methods."""
+
+    def __init__(self, transport: Transport, side: str, index: int, src: Layout, dst: Layout, plan: Plan,
+                 seed: int = 0, bucket_bytes: int = 256 << 20) -> None:
+        self.t, self.side, self.index = transport, side, index
+        self.src, self.dst, self.plan = src, dst, plan
+        self.S, self.D = src.world, dst.world
+        self.seed, self.bucket_bytes = seed, bucket_bytes
+        layout = src if side == "src" else dst
+        self.descs = {b.name: b for b in layout.ranks[index]}
+        self.shapes = {n: t.shape for n, t in layout.tensors.items()}
+        self.buffers = {n: torch.empty(b.shape, dtype=dtype_of(b.dtype)) for n, b in self.descs.items()}
+        self.expected: dict[str, torch.Tensor] = {}
+        if side == "src":
+            self._fill(self.buffers)
+        else:
+            self.expected = {n: torch.empty_like(t) for n, t in self.buffers.items()}
+            for t in self.expected.values():
+                t.view(-1).view(torch.uint8).fill_(SENTINEL)
+            self._fill(self.expected)
+        self.pools = {m: StagingPool() for m in METHODS}
+        self._owner_items = _owner_items(src)
+        self._ceiling_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._bcast: dict = {}
+
+    def _fill(self, bufs: dict[str, torch.Tensor]) -> None:
+        layout = self.src if self.side == "src" else self.dst
+        for name, desc in self.descs.items():
+            for p in desc.pieces:
+                init_box(p.view(bufs[name]), self.seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
+
+    # -- verification --------------------------------------------------------------------
+    def poison(self) -> None:
+        """Fill the receive buffers with the sentinel, so a method that leaves a byte unwritten fails."""
+        if self.side == "dst":
+            for t in self.buffers.values():
+                t.view(-1).view(torch.uint8).fill_(SENTINEL)
+
+    def received_exact(self) -> bool:
+        """Bit-exact comparison of everything received with an independent regeneration."""
+        if self.side != "dst":
+            return True
+        return all(torch.equal(self.buffers[n].view(-1).view(torch.uint8), self.expected[n].view(-1).view(torch.uint8))
+                   for n in self.buffers)
+
+    # -- methods -------------------------------------------------------------------------
+    def run(self, method: str, deadline: float) -> Outcome:
+        return getattr(self, "_" + method.replace("+", "_"))(deadline)
+
+    def _reshard(self, deadline: float, verify: bool = False) -> Outcome:
+        pool = self.pools["reshard+verify" if verify else "reshard"]
+        eng = Engine(self.t, self.plan, self.side, self.index, self.buffers, self.shapes, pool, deadline,
+                     checksums=verify and self.side == "src")
+        sums = eng.run()
+        out = Outcome(extra_bytes=pool.nbytes)
+        if self.side == "dst":
+            out.bytes = sum(m.wire_bytes for m in self.plan.recvs.get(self.index, ()))
+        if verify:
+            out.ok = self._exchange_checksums(sums, deadline)
+        return out
+
+    def _reshard_verify(self, deadline: float) -> Outcome:
+        return self._reshard(deadline, verify=True)
+
+    def _exchange_checksums(self, sums: dict, deadline: float) -> bool | None:
+        """Trainer ranks send their checksums to every inference rank (the controller's role at VERIFY);
+        inference ranks combine them and compare with what they hold."""
+        if self.side == "src":
+            data = torch.frombuffer(bytearray(pickle.dumps(sorted(sums.items()))), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            works = []
+            for d in range(self.D):
+                works.append(self.t.send(size.view(torch.uint8), self.S + d, _CSUM_TAG))
+                works.append(self.t.send(data, self.S + d, _CSUM_TAG + 1))
+            _wait_all(works, deadline)
+            return None
+        sent: dict = defaultdict(int)
+        for s in range(self.S):
+            size = torch.zeros(1, dtype=torch.int64)
+            self.t.recv(size.view(torch.uint8), s, _CSUM_TAG).wait(_timeout(deadline))
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            self.t.recv(data, s, _CSUM_TAG + 1).wait(_timeout(deadline))
+            for k, v in pickle.loads(data.numpy().tobytes()):
+                sent[k] = (sent[k] + v) % P
+        expected = self.plan.expected_checksums(dict(sent))
+        pieces = {(b.name, i): p for b in self.dst.ranks[self.index] for i, p in enumerate(b.pieces)}
+        got = receiver_checksums(self.plan, self.index, self.buffers, pieces, self.shapes)
+        return all(k in expected and expected[k] % P == v for k, v in got.items())
+
+    def _serialized(self, deadline: float) -> Outcome:
+        pool = self.pools["serialized"]
+        session = SimpleNamespace(src_world=self.S, dst_world=self.D)
+        _, done, _ = baseline.run(self.side, self.t, session, self.index, self.src, self.dst, self.buffers, self.shapes,
+                                  pool, deadline, lambda a, b: None, timeout=_timeout(deadline),
+                                  bucket_bytes=self.bucket_bytes, checksums=False)
+        cache = pool.__dict__.get("baseline", {})
+        extra = pool.nbytes + sum(t.numel() * t.element_size() for v in cache.values()
+                                  for t in (v.values() if isinstance(v, dict) else [v]) if isinstance(t, torch.Tensor))
+        # Bytes over the transport: the gather (counted by its senders) and the broadcast (by its receivers).
+        nbytes = done if (self.side == "dst" or self.index != 0) else 0
+        return Outcome(bytes=nbytes, extra_bytes=extra)
+
+    def _broadcast(self, deadline: float) -> Outcome:
+        items = self._owner_items
+        members = {o: (o, *range(self.S, self.S + self.D)) for o in items}
+        windows = max((len(v) for v in items.values()), default=0)
+        st = self._bcast
+        if self.side == "src":
+            mine = items.get(self.index, [])
+            if "staging" not in st:
+                need = max((it.nbytes for it in mine if not it.contiguous), default=0)
+                st["staging"] = torch.empty(need, dtype=torch.uint8)
+            for it in mine:
+                buf = self.buffers[it.buffer]
+                view = it.side.view(buf, it.box.size)
+                if it.contiguous:
+                    flat = view.reshape(-1).view(torch.uint8)
+                else:
+                    flat = st["staging"][: it.nbytes]
+                    flat.view(buf.dtype).view(it.box.size).copy_(view)
+                self.t.broadcast(flat, members[self.index]).wait(_timeout(deadline))
+            return Outcome(extra_bytes=st["staging"].numel())
+        if "scratch" not in st:
+            st["scratch"] = {o: torch.empty(max(it.nbytes for it in v), dtype=torch.uint8) for o, v in items.items()}
+            mine: dict[str, list] = defaultdict(list)
+            for b in self.dst.ranks[self.index]:
+                for p in b.pieces:
+                    mine[p.tensor].append((b.name, p))
+            st["mine"] = mine
+        scratch, mine = st["scratch"], st["mine"]
+        received = 0
+        for k in range(windows):
+            batch = [(o, v[k]) for o, v in sorted(items.items()) if k < len(v)]
+            works = [self.t.broadcast(scratch[o][: it.nbytes], members[o]) for o, it in batch]
+            _wait_all(works, deadline)
+            for o, it in batch:
+                received += it.nbytes
+                whole = scratch[o][: it.nbytes].view(dtype_of(it.dtype)).view(it.box.size)
+                for bname, p in mine.get(it.tensor, ()):
+                    inter = p.box.intersect(it.box)
+                    if inter is None:
+                        continue
+                    rel = tuple(slice(i - b, i - b + s) for i, b, s in zip(inter.offset, it.box.offset, inter.size))
+                    dst_rel = tuple(slice(i - b, i - b + s) for i, b, s in zip(inter.offset, p.box.offset, inter.size))
+                    p.view(self.buffers[bname])[dst_rel].copy_(whole[rel])
+        return Outcome(bytes=received, extra_bytes=sum(t.numel() for t in scratch.values()))
+
+    def _ceiling(self, deadline: float) -> Outcome:
+        S, plan = self.S, self.plan
+        if self.side == "src":
+            sends, recvs, me = plan.sends.get(self.index, []), [], self.index
+        else:
+            sends, recvs, me = plan.relay_sends.get(self.index, []), plan.recvs.get(self.index, []), S + self.index
+        if self._ceiling_bufs is None:
+            self._ceiling_bufs = (pattern(me, sum(m.wire_bytes for m in sends)),
+                                  torch.empty(sum(m.wire_bytes for m in recvs), dtype=torch.uint8))
+        sbuf, rbuf = self._ceiling_bufs
+        by_round: dict[int, list] = defaultdict(list)
+        pos = 0
+        for m in sends:
+            by_round[m.round].append((self.t.send, sbuf[pos : pos + m.wire_bytes], S + m.dst, m.tag))
+            pos += m.wire_bytes
+        pos = 0
+        for m in recvs:
+            by_round[m.round].append((self.t.recv, rbuf[pos : pos + m.wire_bytes], S + m.src if m.relay else m.src, m.tag))
+            pos += m.wire_bytes
+        for r in sorted(by_round):
+            _wait_all([op(buf, peer, tag) for op, buf, peer, tag in by_round[r]], deadline)
+        return Outcome(bytes=rbuf.numel(), extra_bytes=sbuf.numel() + rbuf.numel())
+
+    def ceiling_exact(self) -> bool:
+        """Every received ceiling message holds the bytes its sender's pattern puts at that offset."""
+        if self.side != "dst" or self._ceiling_bufs is None:
+            return True
+        S = self.S
+        offsets: dict[tuple, int] = {}
+        for owner, msgs in [(s, self.plan.sends.get(s, [])) for s in range(S)] + \
+                           [(S + d, self.plan.relay_sends.get(d, [])) for d in range(self.D)]:
+            pos = 0
+            for m in msgs:
+                offsets[(m.relay, m.src, m.dst, m.round, m.tag)] = pos
+                pos += m.wire_bytes
+        rbuf, pos = self._ceiling_bufs[1], 0
+        for m in self.plan.recvs.get(self.index, []):
+            sender = S + m.src if m.relay else m.src
+            start = offsets[(m.relay, m.src, m.dst, m.round, m.tag)]
+            want = pattern(sender, m.wire_bytes, start)
+            if not torch.equal(rbuf[pos : pos + m.wire_bytes], want):
+                return False
+            pos += m.wire_bytes
+        return True
+
+
+def pattern(rank: int, n: int, start: int = 0) -> torch.Tensor:
+    """The bytes a ceiling sender holds: a function of its rank and the byte offset."""
+    i = torch.arange(start, start + n, dtype=torch.int64)
+    return ((i * 7 + (i >> 8) * 3 + rank * 13) & 0xFF).to(torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnerItem:
+    tensor: str
+    box: object
+    buffer: str
+    side: Side
+    dtype: str
+    nbytes: int
+    contiguous: bool
+
+
+def _owner_items(src: Layout) -> dict[int, list[OwnerItem]]:
+    """Distinct source boxes, each given to one holder (least loaded so far), per owner in canonical order."""
+    holders: dict[tuple, list] = defaultdict(list)
+    for rank, bufs in enumerate(src.ranks):
+        for buf in bufs:
+            for p in buf.pieces:
+                start, strides = p.base(buf.shape)
+                holders[(p.tensor, p.box)].append((rank, buf.name, Side(buf.name, start, strides), buf.dtype))
+    load: dict[int, int] = defaultdict(int)
+    out: dict[int, list[OwnerItem]] = defaultdict(list)
+    for (tensor, box), hs in sorted(holders.items(), key=lambda kv: (kv[0][0], kv[0][1].offset, kv[0][1].size)):
+        nbytes = box.numel * dtype_of(hs[0][3]).itemsize
+        rank, bname, side, dtype = min(hs, key=lambda h: (load[h[0]], h[0]))
+        load[rank] += nbytes
+        out[rank].append(OwnerItem(tensor, box, bname, side, dtype, nbytes, side.contiguous(box.size)))
+    return dict(out)
+
+
+def owner_broadcast_counts(src: Layout, dst: Layout) -> dict:
+    """What the owner broadcast moves and copies: per owner the bytes it broadcasts, the bytes and
+    boxes it must pack (not contiguous in its buffer); per inference rank (global) the copies it
+    makes (one per box x piece overlap); the largest box."""
+    items = _owner_items(src)
+    by_tensor: dict[str, list] = defaultdict(list)
+    for v in items.values():
+        for it in v:
+            by_tensor[it.tensor].append(it.box)
+    dst_ops: dict[int, float] = defaultdict(float)
+    for d, bufs in enumerate(dst.ranks):
+        for b in bufs:
+            for p in b.pieces:
+                dst_ops[src.world + d] += sum(1 for box in by_tensor[p.tensor] if box.intersect(p.box) is not None)
+    return {
+        "sent": {o: float(sum(i.nbytes for i in v)) for o, v in items.items()},
+        "packed": {o: float(sum(i.nbytes for i in v if not i.contiguous)) for o, v in items.items()},
+        "pack_ops": {o: float(sum(1 for i in v if not i.contiguous)) for o, v in items.items()},
+        "dst_ops": dict(dst_ops),
+        "largest": float(max((i.nbytes for v in items.values() for i in v), default=1)),
+    }
+
+
+# -- calibration: this machine's transport, measured apart from any layout -----------------
+
+def ping_pong(t: Transport, me: int, peer: int, nbytes: int, iters: int, deadline: float) -> float:
+    """Seconds of one round trip of `nbytes` between transport ranks `me` (who starts) and `peer`."""
+    buf = torch.zeros(max(1, nbytes), dtype=torch.uint8)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        if me < peer:
+            t.send(buf, peer, 100 + i).wait(_timeout(deadline))
+            t.recv(buf, peer, 100 + i).wait(_timeout(deadline))
+        else:
+            t.recv(buf, peer, 100 + i).wait(_timeout(deadline))
+            t.send(buf, peer, 100 + i).wait(_timeout(deadline))
+    return (time.perf_counter() - t0) / iters
+
+
+def stream(t: Transport, me: int, peer: int, sender: bool, nbytes: int, count: int, deadline: float) -> float:
+    """One-way stream of `count` messages of `nbytes`, then a 1-byte acknowledgement. Seconds."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    ack = torch.zeros(1, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    if sender:
+        _wait_all([t.send(buf, peer, 500 + i) for i in range(count)], deadline)
+        t.recv(ack, peer, 499).wait(_timeout(deadline))
+    else:
+        bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(min(count, 2))]
+        _wait_all([t.recv(bufs[i % len(bufs)], peer, 500 + i) for i in range(count)], deadline)
+        t.send(ack, peer, 499).wait(_timeout(deadline))
+    return time.perf_counter() - t0
+
+
+def copy_op_seconds(n: int = 2000) -> float:
+    """Fixed cost of one small packing copy as the engine makes it (strided views of a flattened
+    buffer into a staged byte range), seconds."""
+    src = torch.randn(n, 64).to(torch.bfloat16)
+    out = torch.empty(n * 64 * 2, dtype=torch.uint8)
+    flat = src.reshape(-1)
+    t0 = time.perf_counter()
+    for i in range(n):
+        view = out[i * 128 : (i + 1) * 128].view(torch.bfloat16).view((1, 64))
+        view.copy_(flat.as_strided((1, 64), (64, 1), flat.storage_offset() + i * 64))
+    return (time.perf_counter() - t0) / n
+
+
+def copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
+    """Packing bandwidth of this process: strided halves of a bf16 matrix into a contiguous buffer
+    and back (what the engine's pack and unpack do), GB/s of bytes moved."""
+    cols = 4096
+    rows = max(1, nbytes // (cols * 2))
+    src = torch.randn(rows, 2 * cols).to(torch.bfloat16)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    out.copy_(src[:, :cols])
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out.copy_(src[:, :cols])
+        src[:, cols:].copy_(out)
+    return 2 * iters * out.numel() * 2 / (time.perf_counter() - t0) / 1e9

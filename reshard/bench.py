@@ -1,0 +1,445 @@
+"""`reshard bench`: reshard, the serialized baseline, per-tensor broadcast from the owners and
+the raw ceiling, side by side, on the same layouts, bytes and transport, in one run.
+
+One process per rank (trainer ranks, then inference ranks), spawned once, all on one
+TCPStore; each layout pair gets a fresh gloo session among the ranks it uses. Before the
+layouts, a separate micro-measurement (ping-pong, streams, copies) calibrates the
+simulator's local profile, which then predicts every measured time: nothing is fitted to the
+bench's own results. Each method runs once first (poisoned receive buffers, then a bit-exact
+check against an independent regeneration of the weights: reported apart as the first
+update), then `--repeats` more times; methods rotate each repeat so drift favours none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import queue as queue_mod
+import secrets
+import statistics
+import sys
+import time
+import traceback
+
+DEFAULT_SIZES = "small,medium,llama-1g"
+DEFAULT_SRC = "framework=megatron,tp=2"
+DEFAULT_DST = "framework=vllm,tp={n}"
+TIMEOUT_S = 900.0
+
+
+def _configs(a) -> list[dict]:
+    from reshard.common.frameworks import model_spec, world_of
+
+    out = []
+    for model in [s.strip() for s in a.sizes.split(",") if s.strip()]:
+        model_spec(model)  # a clear error for an unknown name
+        for n in [int(x) for x in str(a.dst_ranks).split(",") if x.strip()]:
+            dst = a.dst.format(n=n)
+            out.append({"model": model, "src": a.src, "dst": dst, "S": world_of(a.src), "D": world_of(dst)})
+    return out
+
+
+# -- the rank processes ------------------------------------------------------------------
+
+def _control_group(host: str, port: int, prefix: str, rank: int, world: int):
+    import datetime
+
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = TCPStore(host, port, world_size=None, is_master=False, timeout=timeout, wait_for_workers=False)
+    return ProcessGroupGloo(PrefixStore(prefix, store), rank, world, timeout)
+
+
+def _calibrate(g: int, world: int, host: str, port: int, nonce: str, quick: bool, q) -> None:
+    from reshard.common import bench_methods as bm
+    from reshard.common.transport import GlooTransport
+
+    t = GlooTransport(host, port, f"{nonce}-calib", g, world, TIMEOUT_S)
+    ctl = _control_group(host, port, f"bench/{nonce}/calib-ctl", g, world)
+    deadline = time.monotonic() + TIMEOUT_S
+    big, count = (16 << 20, 3) if quick else (64 << 20, 6)
+    out: dict = {"ranks": world}
+    if g < 2:
+        rtt = {}
+        for size, iters in ((8, 50 if quick else 200), (64 << 10, 20), (1 << 20, 10), (big, 3)):
+            rtt[size] = bm.ping_pong(t, g, 1 - g, size, iters, deadline)
+        secs = bm.stream(t, g, 1 - g, g == 0, big, count, deadline)
+        out.update(latency_s=rtt[8] / 2, rtt_seconds={str(k): v for k, v in rtt.items()},
+                   pair_gbps=big * count / max(1e-9, secs - rtt[8] / 2) / 1e9)
+    ctl.barrier().wait()
+    # Every rank streams at once, in pairs (0->1, 2->3, ...): the shared CPU's aggregate.
+    ctl.barrier().wait()
+    t0 = time.monotonic()
+    if g < 2 * (world // 2):
+        bm.stream(t, g, g ^ 1, g % 2 == 0, big, count, deadline)
+        q.put(("calib_stream", g, t0, time.monotonic()))
+    ctl.barrier().wait()
+    if g == 0:
+        out["streams"] = world // 2
+        out["stream_bytes"] = (world // 2) * big * count
+        out["copy_gbps"] = bm.copy_gbps(big, 3 if quick else 5)
+        out["copy_op_s"] = bm.copy_op_seconds()
+        q.put(("calib", out))
+    ctl.barrier().wait()
+    t.close()
+
+
+def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: list[dict], opts: dict, q) -> None:
+    """One rank of the bench: calibration, then every layout pair it takes part in."""
+    try:
+        from reshard.common import bench_methods as bm
+        from reshard.common.frameworks import build
+        from reshard.common.planner import PlanOptions, make_plan
+        from reshard.common.transport import GlooTransport
+
+        _calibrate(g, world, host, port, nonce, opts["quick"], q)
+        for ci, cfg in enumerate(configs):
+            S, D = cfg["S"], cfg["D"]
+            if g >= S + D:
+                continue
+            t_setup = time.monotonic()
+            src, dst = build(cfg["model"], cfg["src"]), build(cfg["model"], cfg["dst"])
+            plan = make_plan(src, dst, PlanOptions())
+            side, index = ("src", g) if g < S else ("dst", g - S)
+            t = GlooTransport(host, port, f"{nonce}-c{ci}", g, S + D, TIMEOUT_S)
+            ctl = _control_group(host, port, f"bench/{nonce}/c{ci}/ctl", g, S + D)
+            bucket = _bucket(opts["bucket_bytes"], sum(x.nbytes for x in dst.tensors.values()))
+            rb = bm.RankBench(t, side, index, src, dst, plan, seed=opts["seed"], bucket_bytes=bucket)
+            ctl.barrier().wait()
+            if g == 0:
+                q.put(("ready", ci, time.monotonic() - t_setup))
+            methods = list(bm.METHODS)
+            for rep in range(1 + opts["repeats"]):
+                k = rep % len(methods)
+                for meth in methods[k:] + methods[:k]:
+                    first = rep == 0
+                    if first:
+                        rb.poison()
+                    ctl.barrier().wait()
+                    t0 = time.monotonic()
+                    out = rb.run(meth, t0 + TIMEOUT_S)
+                    t1 = time.monotonic()
+                    exact = None
+                    if first:
+                        exact = rb.ceiling_exact() if meth == "ceiling" else rb.received_exact()
+                    q.put(("run", {"cfg": ci, "method": meth, "rep": rep, "rank": g, "side": side, "t0": t0, "t1": t1,
+                                   "bytes": out.bytes, "extra_bytes": out.extra_bytes, "checksums_ok": out.ok,
+                                   "exact": exact}))
+            ctl.barrier().wait()
+            t.close()
+            del rb
+        q.put(("done", g))
+    except BaseException:  # noqa: BLE001 - the parent reports it and stops the others
+        q.put(("error", g, traceback.format_exc()))
+
+
+# -- the parent -----------------------------------------------------------------------------
+
+def _local_cluster(cal: dict):
+    from reshard.common.simulate import Cluster
+
+    return Cluster(name="local", gpus_per_node=max(1, cal["ranks"]), nvlink_gbps=cal["pair_gbps"],
+                   nic_gbps=cal["pair_gbps"], latency_s=cal["latency_s"], copy_gbps=cal["copy_gbps"],
+                   copy_op_s=cal["copy_op_s"], node_cpu_gbps=cal["aggregate_gbps"], broadcast="tree", colocated=True)
+
+
+def predictions(cfg: dict, cal: dict, bucket_bytes: int) -> dict[str, float]:
+    """The local profile's predictions for one layout pair, per method (seconds)."""
+    from collections import defaultdict
+
+    from reshard.common.bench_methods import owner_broadcast_counts
+    from reshard.common.frameworks import build
+    from reshard.common.planner import PlanOptions, make_plan
+    from reshard.common.simulate import owner_broadcast_traffic, plan_traffic, predict, serialized_traffic
+
+    c = _local_cluster(cal)
+    src, dst = build(cfg["model"], cfg["src"]), build(cfg["model"], cfg["dst"])
+    plan = make_plan(src, dst, PlanOptions())
+    S, D = src.world, dst.world
+    keep: dict[int, float] = defaultdict(float)
+    pieces: dict[int, float] = defaultdict(float)
+    for d, bufs in enumerate(dst.ranks):
+        for b in bufs:
+            for p in b.pieces:
+                spec = dst.tensors[p.tensor]
+                keep[S + d] += p.box.numel * spec.nbytes / spec.numel
+                pieces[S + d] += 1
+    payload = float(sum(t.nbytes for t in dst.tensors.values()))
+    ob = owner_broadcast_counts(src, dst)
+    return {
+        "reshard": predict(c, S, D, plan_traffic(plan)).seconds,
+        "ceiling": predict(c, S, D, plan_traffic(plan, copies=False)).seconds,
+        "serialized": predict(c, S, D, serialized_traffic(c, src, D, payload, keep, _bucket(bucket_bytes, payload),
+                                                          dst_pieces=pieces)).seconds,
+        "broadcast": predict(c, S, D, owner_broadcast_traffic(c, S, D, ob["sent"], ob["packed"], keep, ob["largest"],
+                                                              ob["pack_ops"], ob["dst_ops"])).seconds,
+    }
+
+
+def _bucket(bucket_bytes: int, payload: float) -> int:
+    """The baseline's broadcast bucket: as configured, but no larger than the model (rounded up to 1 MiB)."""
+    return int(min(bucket_bytes, max(1 << 20, math.ceil(payload / (1 << 20)) << 20)))
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def run_bench(a) -> int:
+    import multiprocessing as mp
+
+    from torch.distributed import TCPStore
+
+    from reshard.common.bench_methods import METHODS
+    from reshard.common.frameworks import model_spec
+
+    if a.quick:
+        a.sizes, a.dst_ranks, a.repeats = "tiny", "2", min(a.repeats, 1)
+    try:
+        configs = _configs(a)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if not configs:
+        print("bench: nothing to run (empty --sizes or --dst-ranks)", file=sys.stderr)
+        return 2
+    world = max(c["S"] + c["D"] for c in configs)
+    world = max(world, 2)
+    log = sys.stderr
+
+    def say(msg: str) -> None:
+        print(msg, file=log, flush=True)
+
+    host = "127.0.0.1"
+    store = TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False)
+    port = store.port
+    nonce = secrets.token_hex(4)
+    opts = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "bucket_bytes": a.bucket_mib << 20}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    say(f"reshard bench: {len(configs)} layout pairs, {world} rank processes on {os.cpu_count()} cores, gloo on {host}; "
+        f"methods {', '.join(METHODS)}; 1 first run + {a.repeats} repeats each")
+    procs = [ctx.Process(target=rank_main, args=(g, world, host, port, nonce, configs, opts, q), daemon=True)
+             for g in range(world)]
+    for p in procs:
+        p.start()
+    cal: dict = {}
+    streams: list[tuple[float, float]] = []
+    runs: dict[tuple, list[dict]] = {}
+    done: set[int] = set()
+    try:
+        while len(done) < world:
+            try:
+                msg = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [g for g, p in enumerate(procs) if p.exitcode is not None and g not in done]
+                if dead:
+                    raise RuntimeError(f"rank process {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                continue
+            kind = msg[0]
+            if kind == "error":
+                raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
+            if kind == "done":
+                done.add(msg[1])
+            elif kind == "calib_stream":
+                streams.append((msg[2], msg[3]))
+            elif kind == "calib":
+                cal = msg[1]
+                t0 = min(s[0] for s in streams)
+                t1 = max(s[1] for s in streams)
+                cal["aggregate_gbps"] = cal["stream_bytes"] / (t1 - t0) / 1e9
+                say(f"calibration: latency {cal['latency_s'] * 1e6:.0f} us per message, one pair "
+                    f"{cal['pair_gbps']:.2f} GB/s, {cal['streams']} pairs at once {cal['aggregate_gbps']:.2f} GB/s "
+                    f"in all, packing copies {cal['copy_gbps']:.2f} GB/s + {cal['copy_op_s'] * 1e6:.1f} us each")
+            elif kind == "ready":
+                cfg = configs[msg[1]]
+                say(f"[{msg[1] + 1}/{len(configs)}] {cfg['model']} ({_fmt_bytes(model_spec(cfg['model']).payload_bytes)}) "
+                    f"{cfg['src']} -> {cfg['dst']}: ready in {msg[2]:.1f} s")
+            elif kind == "run":
+                r = msg[1]
+                key = (r["cfg"], r["method"], r["rep"])
+                runs.setdefault(key, []).append(r)
+                cfg = configs[r["cfg"]]
+                if len(runs[key]) == cfg["S"] + cfg["D"]:
+                    rows = runs[key]
+                    secs = max(x["t1"] for x in rows) - min(x["t0"] for x in rows)
+                    tag = "first" if r["rep"] == 0 else f"repeat {r['rep']}/{a.repeats}"
+                    say(f"    {tag:>12} {r['method']:<15} {secs:8.3f} s")
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        raise
+    for p in procs:
+        p.join(30)
+    results = _summarize(configs, runs, cal, a, say)
+    if a.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_table(results)
+    if a.plot:
+        try:
+            plot(results, a.plot)
+            say(f"plot written to {a.plot}")
+        except ImportError:
+            say("plot skipped: matplotlib is not installed (pip install 'reshard[bench]')")
+    return 0 if results["verified"] else 1
+
+
+def _summarize(configs, runs, cal, a, say) -> dict:
+    from reshard.common.bench_methods import METHODS
+    from reshard.common.frameworks import model_spec
+
+    out_cfgs = []
+    all_ok = True
+    for ci, cfg in enumerate(configs):
+        try:
+            pred = predictions(cfg, cal, a.bucket_mib << 20)
+        except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurements
+            say(f"prediction for {cfg['model']} {cfg['dst']} failed: {e}")
+            pred = {}
+        methods = {}
+        for meth in METHODS:
+            reps = []
+            for rep in range(1 + a.repeats):
+                rows = runs.get((ci, meth, rep), [])
+                if not rows:
+                    continue
+                reps.append({"rep": rep, "seconds": max(x["t1"] for x in rows) - min(x["t0"] for x in rows),
+                             "bytes": sum(x["bytes"] for x in rows), "rows": rows})
+            if not reps:
+                continue
+            first = reps[0]
+            steady = [r["seconds"] for r in reps[1:]] or [first["seconds"]]
+            med = statistics.median(steady)
+            exact_ok = all(x["exact"] is not False for x in first["rows"])
+            csum_ok = all(x["checksums_ok"] is not False for r in reps for x in r["rows"])
+            verified = exact_ok and csum_ok
+            all_ok &= verified
+            nbytes = first["bytes"]
+            extra_tr = max((x["extra_bytes"] for r in reps for x in r["rows"] if x["side"] == "src"), default=0)
+            extra_inf = max((x["extra_bytes"] for r in reps for x in r["rows"] if x["side"] == "dst"), default=0)
+            m = {"seconds": med, "first_seconds": first["seconds"], "repeats": steady, "bytes": nbytes,
+                 "gbps": nbytes / med / 1e9 if med else 0.0,
+                 "peak_extra_bytes": {"trainer": extra_tr, "inference": extra_inf},
+                 "verified": verified, "bit_exact": exact_ok}
+            if meth == "reshard+verify":
+                m["checksums_ok"] = csum_ok
+            p = pred.get(meth)
+            if p is not None:
+                m["predicted_seconds"] = p
+                m["error_pct"] = (p - med) / med * 100 if med else None
+            methods[meth] = m
+        rs = methods.get("reshard", {}).get("seconds")
+        summary = {}
+        if rs:
+            summary = {
+                "speedup_vs_serialized": methods["serialized"]["seconds"] / rs if "serialized" in methods else None,
+                "speedup_vs_broadcast": methods["broadcast"]["seconds"] / rs if "broadcast" in methods else None,
+                "fraction_of_ceiling": methods["ceiling"]["seconds"] / rs if "ceiling" in methods else None,
+                "verification_seconds": methods["reshard+verify"]["seconds"] - rs if "reshard+verify" in methods else None,
+            }
+        out_cfgs.append({"model": cfg["model"], "payload_bytes": model_spec(cfg["model"]).payload_bytes,
+                         "src": cfg["src"], "dst": cfg["dst"], "src_ranks": cfg["S"], "dst_ranks": cfg["D"],
+                         "methods": methods, "reshard": summary})
+    errs = [abs(m["error_pct"]) for c in out_cfgs for m in c["methods"].values() if m.get("error_pct") is not None]
+    return {
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "transport": "gloo on 127.0.0.1"},
+        "memory_note": "peak_extra_bytes: storage of the staging and scratch tensors a method allocates and keeps, "
+                       "max over trainer ranks and over inference ranks; model buffers excluded",
+        "timing_note": "seconds: median of the repeats (first run reported apart as first_seconds); one run spans "
+                       "from the first rank leaving a barrier to the last rank finishing",
+        "calibration": cal,
+        "configs": out_cfgs,
+        "prediction_mean_abs_error_pct": sum(errs) / len(errs) if errs else None,
+        "prediction_max_abs_error_pct": max(errs) if errs else None,
+        "verified": all_ok,
+    }
+
+
+def print_table(r: dict) -> None:
+    cal = r["calibration"]
+    print(f"\ncalibration (separate micro-measurement): {cal['latency_s'] * 1e6:.0f} us/message, pair "
+          f"{cal['pair_gbps']:.2f} GB/s, aggregate {cal['aggregate_gbps']:.2f} GB/s, copies {cal['copy_gbps']:.2f} GB/s")
+    head = f"{'model':<10}{'S->I':>6}  {'method':<15}{'first s':>9}{'median s':>10}{'GB moved':>10}{'GB/s':>7}" \
+           f"{'extra MB tr/inf':>17}{'predicted':>11}{'error':>8}  ok"
+    print(head)
+    print("-" * len(head))
+    for c in r["configs"]:
+        for name, m in c["methods"].items():
+            pred = f"{m['predicted_seconds']:.3f}" if "predicted_seconds" in m else "-"
+            err = f"{m['error_pct']:+.0f}%" if m.get("error_pct") is not None else "-"
+            extra = f"{m['peak_extra_bytes']['trainer'] / 1e6:.0f}/{m['peak_extra_bytes']['inference'] / 1e6:.0f}"
+            print(f"{c['model']:<10}{c['src_ranks']:>3}->{c['dst_ranks']:<2} {name:<15}{m['first_seconds']:>9.3f}"
+                  f"{m['seconds']:>10.3f}{m['bytes'] / 1e9:>10.3f}{m['gbps']:>7.2f}{extra:>17}{pred:>11}{err:>8}  "
+                  f"{'yes' if m['verified'] else 'NO'}")
+        s = c["reshard"]
+        if s:
+            print(f"{'':<18}reshard: {s['speedup_vs_serialized']:.2f}x vs serialized, {s['speedup_vs_broadcast']:.2f}x vs "
+                  f"owner broadcast, {s['fraction_of_ceiling']:.2f} of the ceiling, verification +{s['verification_seconds']:.3f} s")
+    if r["prediction_mean_abs_error_pct"] is not None:
+        print(f"\nsimulator on these layouts (none used to calibrate it): mean |error| "
+              f"{r['prediction_mean_abs_error_pct']:.0f}%, max {r['prediction_max_abs_error_pct']:.0f}%")
+    print(f"all methods verified bit-exact: {'yes' if r['verified'] else 'NO'}")
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = r["configs"]
+    max_d = max(c["dst_ranks"] for c in cfgs)
+    biggest = max(c["payload_bytes"] for c in cfgs)
+    methods = list(cfgs[0]["methods"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for meth in methods:
+        by_size = sorted((c["payload_bytes"] / 1e9, c["methods"][meth]["seconds"]) for c in cfgs
+                         if c["dst_ranks"] == max_d and meth in c["methods"])
+        by_dst = sorted((c["dst_ranks"], c["methods"][meth]["seconds"]) for c in cfgs
+                        if c["payload_bytes"] == biggest and meth in c["methods"])
+        if by_size:
+            axes[0].plot(*zip(*by_size), marker="o", label=meth)
+        if by_dst:
+            axes[1].plot(*zip(*by_dst), marker="o", label=meth)
+    axes[0].set(xlabel="model size (GB of bf16)", ylabel="seconds per update (median)",
+                title=f"time vs model size ({cfgs[0]['src_ranks']} -> {max_d} ranks)", xscale="log", yscale="log")
+    name = next(c["model"] for c in cfgs if c["payload_bytes"] == biggest)
+    axes[1].set(xlabel="inference ranks", ylabel="seconds per update (median)", title=f"time vs inference ranks ({name})")
+    axes[1].set_xticks(sorted({c["dst_ranks"] for c in cfgs}))
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"reshard bench, gloo on loopback, {r['machine']['cores']} cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(a) -> int:
+    if a.repeats < 0 or a.bucket_mib < 1:
+        print("bench: --repeats must be >= 0 and --bucket-mib >= 1", file=sys.stderr)
+        return 2
+    return run_bench(a)
+
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="reshard vs serialized vs owner broadcast vs the raw ceiling, measured side by side")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"models to sweep (default {DEFAULT_SIZES})")
+    p.add_argument("--dst-ranks", default="2,4", help="inference rank counts to sweep (default 2,4)")
+    p.add_argument("--src", default=DEFAULT_SRC, help=f"trainer layout (default {DEFAULT_SRC})")
+    p.add_argument("--dst", default=DEFAULT_DST, help=f"inference layout, {{n}} = inference ranks (default {DEFAULT_DST})")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the first run (default 3)")
+    p.add_argument("--bucket-mib", type=int, default=256, help="serialized baseline's broadcast bucket (default 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default="reshard-bench.png", help="PNG plot path ('' for none)")
+    p.add_argument("--quick", action="store_true", help="smallest model, 2 inference ranks, 1 repeat (tests)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.set_defaults(_main=main)

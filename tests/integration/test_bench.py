@@ -1,0 +1,45 @@
+"""`reshard bench --quick --json`: real rank processes on one gloo world, every method verified."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_quick_bench_end_to_end(tmp_path):
+    png = tmp_path / "bench.png"
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "bench", "--quick", "--json", "--plot", str(png)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "calibration:" in r.stderr and "first" in r.stderr  # progress while it runs
+    out = json.loads(r.stdout)
+    assert out["verified"] is True
+    cal = out["calibration"]
+    for k in ("latency_s", "pair_gbps", "aggregate_gbps", "copy_gbps", "copy_op_s"):
+        assert cal[k] > 0
+    (cfg,) = out["configs"]
+    assert (cfg["model"], cfg["src_ranks"], cfg["dst_ranks"]) == ("tiny", 2, 2)
+    methods = cfg["methods"]
+    assert set(methods) == {"reshard", "reshard+verify", "serialized", "broadcast", "ceiling"}
+    for name, m in methods.items():
+        assert m["verified"] and m["bit_exact"], name
+        assert m["seconds"] > 0 and m["first_seconds"] > 0 and m["bytes"] > 0 and m["gbps"] > 0
+        assert set(m["peak_extra_bytes"]) == {"trainer", "inference"}
+        if name != "reshard+verify":
+            assert m["predicted_seconds"] > 0 and m["error_pct"] is not None
+    assert methods["reshard+verify"]["checksums_ok"] is True
+    # Whole tensors to every inference rank: the owner broadcast moves D x the model.
+    assert methods["broadcast"]["bytes"] == 2 * cfg["payload_bytes"]
+    assert methods["serialized"]["bytes"] > methods["broadcast"]["bytes"] > methods["reshard"]["bytes"]
+    assert methods["ceiling"]["bytes"] == methods["reshard"]["bytes"]
+    s = cfg["reshard"]
+    for k in ("speedup_vs_serialized", "speedup_vs_broadcast", "fraction_of_ceiling", "verification_seconds"):
+        assert s[k] is not None
+    if importlib.util.find_spec("matplotlib"):
+        assert png.stat().st_size > 1000
