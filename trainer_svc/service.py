@@ -341,11 +341,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.phase = d.phase = "CONNECT"
             key = (lr.fingerprint, src.fingerprint(), self.hub.generation, backend)
             if d.session is None or d.session[1] != key:
-                sid, uid = uuid.uuid4().hex[:12], b""
+                sid, nccl_id = uuid.uuid4().hex[:12], b""
                 if backend == "nccl":  # a fresh id per session (so per retry): trainer worker 0 hosts its root
                     rep = await self.hub.call(self.hub.workers[0], self.deadlines.rpc_s, nccl_unique_id=wpb.NcclUniqueId(session=sid))
-                    uid = rep.nccl_unique_id
-                d.session = (sid, key, uid)
+                    nccl_id = rep.nccl_unique_id
+                d.session = (sid, key, nccl_id)
             d.backend = backend
             session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
                                  src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2])
