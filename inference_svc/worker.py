@@ -147,7 +147,7 @@ class InferenceWorker(WorkerBase):
                     if p.tensor != r.tensor or p.box in seen:
                         continue
                     seen.add(p.box)
-                    data = p.view(self.live[name]).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    data = p.view(self.live[name]).contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
                     for off in range(0, max(1, len(data)), READ_CHUNK):
                         piece = wpb.ReadPiece(id=cid, offset=list(p.box.offset), size=list(p.box.size), byte_offset=off,
                                               data=data[off : off + READ_CHUNK], last=off + READ_CHUNK >= len(data))

@@ -1,0 +1,19 @@
+"""Backend selection and the memory report through the real services (CPU: gloo)."""
+
+from tests.integration.cluster import Cluster
+
+
+def test_cpu_workers_report_device_and_memory_and_run_gloo():
+    c = Cluster("tiny", inference_workers=2, trainer_workers=1)
+    try:
+        rc, out, err = c.update()
+        assert rc == 0, err + c.logs()
+        tr, inf = c.status("trainer"), c.status("inference")
+        assert [d["backend"] for d in tr["deployments"]] == ["gloo"]
+        assert [w["device"] for w in tr["workers"]] == ["cpu"] and [w["device"] for w in inf["workers"]] == ["cpu", "cpu"]
+        for w in inf["workers"]:
+            mem = {k: int(v) for k, v in w["memory"].items()}
+            assert mem["staging"] > 0 and mem["shadow"] > 0 and "nccl" not in mem, mem
+        assert int(tr["workers"][0]["memory"]["staging"]) > 0
+    finally:
+        c.close()
