@@ -22,6 +22,7 @@ operations between two ranks match in posting order, so a group posts them sorte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -185,8 +186,14 @@ class NcclTransport(Transport):
         self.connection_bytes = max(self.connection_bytes, self._free0 - free - grown)
 
     # -- the Transport interface -----------------------------------------------------------
+    @contextlib.contextmanager
     def copy_context(self):
-        return self._cuda.use_stream(self.copy_stream)
+        """The engine's copies run on the copy stream: it first waits for what the calling thread's
+        stream queued, and before leaving, the last unpack has landed (verification reads next)."""
+        self.copy_stream.wait_stream(self._cuda.current_stream())
+        with self._cuda.use_stream(self.copy_stream):
+            yield
+        self.copy_stream.synchronize()
 
     def _after_producer(self) -> None:
         """The comm stream waits for what the current stream (the copies) has queued so far."""

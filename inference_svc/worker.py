@@ -127,6 +127,8 @@ class InferenceWorker(WorkerBase):
             if self.shadow is not None:
                 for n, t in self.live.items():
                     t.copy_(self.shadow[n])
+                if self.device.startswith("cuda"):  # the engine's streams must not see half-copied weights
+                    torch.cuda.current_stream(self.device).synchronize()
             for hook in self.commit_hooks:
                 hook(version)
             self.version = pb.Version(run=version.run, step=version.step)

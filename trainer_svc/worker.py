@@ -70,6 +70,10 @@ class TrainerWorker(WorkerBase):
         if self.snapshot is not None:
             for n, t in self.live.items():
                 self.snapshot[n].copy_(t)
+        if self.device.startswith("cuda"):
+            # The data plane reads on its own streams: what the caller's stream queued (the
+            # optimizer step, the snapshot) must have run first.
+            torch.cuda.current_stream(self.device).synchronize()
         handle = PublishHandle(version, writable=self.snapshot is not None)
         with self._lock:
             if not handle.writable:

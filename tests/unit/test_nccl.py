@@ -327,10 +327,16 @@ class FakeStream:
     cuda_stream = 0
 
     def __init__(self):
-        self.waits = 0
+        self.waits = self.syncs = 0
 
     def wait_event(self, ev):
         self.waits += 1
+
+    def wait_stream(self, other):
+        self.waits += 1
+
+    def synchronize(self):
+        self.syncs += 1
 
 
 class FakeCuda:
@@ -457,6 +463,9 @@ def test_a_round_is_one_group_in_matching_order():
     assert t.comm_stream.waits == 1  # the comm stream waits for the copies
     for w in works:
         w.wait(1.0)
+    with t.copy_context():
+        assert t.copy_stream.waits == 1  # the copies wait for what the caller's stream queued
+    assert t.copy_stream.syncs == 1  # and have landed when the engine returns
 
 
 def test_wait_flushes_what_was_posted():
