@@ -8,7 +8,6 @@ box of which canonical tensor each region of a buffer holds.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -251,10 +250,18 @@ class Layout:
 
     # -- serialization ---------------------------------------------------------------
     def to_json(self) -> dict:
+        """JSON form. Ranks holding one buffers object (replicas) share one entry of `classes`;
+        `rank_class` maps each rank to its entry."""
+        index: dict[int, int] = {}
+        classes = []
+        for bufs in self.ranks:
+            if id(bufs) not in index:
+                index[id(bufs)] = len(classes)
+                classes.append(bufs)
         return {
             "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors.values()],
             "allow_casts": self.allow_casts,
-            "ranks": [
+            "classes": [
                 [
                     {
                         "name": b.name,
@@ -265,8 +272,9 @@ class Layout:
                     }
                     for b in bufs
                 ]
-                for bufs in self.ranks
+                for bufs in classes
             ],
+            "rank_class": [index[id(bufs)] for bufs in self.ranks],
         }
 
     def to_bytes(self) -> bytes:
@@ -279,7 +287,7 @@ class Layout:
 
         try:
             tensors = {n: TensorSpec(n, tuple(s), d) for n, s, d in obj["tensors"]}
-            ranks = tuple(
+            classes = [
                 tuple(
                     LocalBuffer(
                         b["name"],
@@ -290,8 +298,10 @@ class Layout:
                     )
                     for b in bufs
                 )
-                for bufs in obj["ranks"]
-            )
+                for bufs in (obj["classes"] if "classes" in obj else obj["ranks"])
+            ]
+            rank_class = obj["rank_class"] if "classes" in obj else range(len(classes))
+            ranks = tuple(classes[c] for c in rank_class)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, LayoutError):
                 raise
@@ -307,7 +317,10 @@ class Layout:
         return Layout.from_json(obj)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
+        """A digest of the content (equal layouts, however built or encoded, share it)."""
+        from .tables import layout_fingerprint
+
+        return layout_fingerprint(self)[:16]
 
     @property
     def payload_bytes(self) -> int:
@@ -321,60 +334,65 @@ class Layout:
             if bufs in seen:
                 continue  # replicas (DP copies) hold identical buffers: checked once, at the first rank
             seen.add(bufs)
-            names = set()
-            for buf in bufs:
-                where = f"{side} rank {rank} buffer {buf.name!r}"
-                if buf.name in names:
-                    raise LayoutError(f"{where}: duplicate buffer name")
-                names.add(buf.name)
-                dtype_of(buf.dtype)
-                regions: list[tuple[Box, str]] = []
-                for p in buf.pieces:
-                    spec = self.tensors.get(p.tensor)
-                    if spec is None:
-                        raise LayoutError(f"{where}: piece names unknown tensor {p.tensor!r}")
-                    if p.flat:
-                        if p.region.ndim != 1 or p.region.numel != p.box.numel:
-                            raise LayoutError(
-                                f"{where}: flat piece of {p.tensor!r} range {p.region} must be 1-D and hold "
-                                f"the {p.box.numel} elements of box {p.box}")
-                        if p.region.end[0] > buf.numel:
-                            raise LayoutError(
-                                f"{where}: flat piece of {p.tensor!r} range {p.region} lies outside the "
-                                f"buffer's {buf.numel} elements")
-                    elif p.region.size != p.box.size:
+            self.validate_rank(rank, side, require_full_buffers)
+
+    def validate_rank(self, rank: int, side: str = "layout", require_full_buffers: bool = True) -> None:
+        """The exact check of one rank's buffers (LayoutError naming tensor, rank and problem)."""
+        bufs = self.ranks[rank]
+        names = set()
+        for buf in bufs:
+            where = f"{side} rank {rank} buffer {buf.name!r}"
+            if buf.name in names:
+                raise LayoutError(f"{where}: duplicate buffer name")
+            names.add(buf.name)
+            dtype_of(buf.dtype)
+            regions: list[tuple[Box, str]] = []
+            for p in buf.pieces:
+                spec = self.tensors.get(p.tensor)
+                if spec is None:
+                    raise LayoutError(f"{where}: piece names unknown tensor {p.tensor!r}")
+                if p.flat:
+                    if p.region.ndim != 1 or p.region.numel != p.box.numel:
                         raise LayoutError(
-                            f"{where}: piece of {p.tensor!r} region {p.region} and box {p.box} "
-                            "differ in shape"
-                        )
-                    elif not p.region.within(buf.shape):
+                            f"{where}: flat piece of {p.tensor!r} range {p.region} must be 1-D and hold "
+                            f"the {p.box.numel} elements of box {p.box}")
+                    if p.region.end[0] > buf.numel:
                         raise LayoutError(
-                            f"{where}: piece of {p.tensor!r} region {p.region} lies outside "
-                            f"the buffer shape {list(buf.shape)}"
-                        )
-                    if not p.box.within(spec.shape):
-                        raise LayoutError(
-                            f"tensor {p.tensor!r}: {where} names box {p.box} outside the "
-                            f"tensor shape {list(spec.shape)}"
-                        )
-                    if buf.dtype != spec.dtype and not self.allow_casts:
-                        raise LayoutError(
-                            f"tensor {p.tensor!r}: {where} holds it as {buf.dtype} but the "
-                            f"tensor is {spec.dtype} (dtype mismatch; declare a cast to allow it)"
-                        )
-                    regions += [(b, f"piece of {p.tensor!r}") for b in p.buffer_boxes(buf.shape)]
-                for pad in buf.padding:
-                    if not pad.within(buf.shape):
-                        raise LayoutError(f"{where}: padding {pad} lies outside the buffer")
-                    regions.append((pad, "padding"))
-                _check_disjoint(regions, where)
-                if require_full_buffers:
-                    covered = sum(r.numel for r, _ in regions)
-                    if covered != buf.numel:
-                        raise LayoutError(
-                            f"{where}: {buf.numel - covered} of {buf.numel} elements are neither "
-                            "a piece nor declared padding (coverage gap)"
-                        )
+                            f"{where}: flat piece of {p.tensor!r} range {p.region} lies outside the "
+                            f"buffer's {buf.numel} elements")
+                elif p.region.size != p.box.size:
+                    raise LayoutError(
+                        f"{where}: piece of {p.tensor!r} region {p.region} and box {p.box} "
+                        "differ in shape"
+                    )
+                elif not p.region.within(buf.shape):
+                    raise LayoutError(
+                        f"{where}: piece of {p.tensor!r} region {p.region} lies outside "
+                        f"the buffer shape {list(buf.shape)}"
+                    )
+                if not p.box.within(spec.shape):
+                    raise LayoutError(
+                        f"tensor {p.tensor!r}: {where} names box {p.box} outside the "
+                        f"tensor shape {list(spec.shape)}"
+                    )
+                if buf.dtype != spec.dtype and not self.allow_casts:
+                    raise LayoutError(
+                        f"tensor {p.tensor!r}: {where} holds it as {buf.dtype} but the "
+                        f"tensor is {spec.dtype} (dtype mismatch; declare a cast to allow it)"
+                    )
+                regions += [(b, f"piece of {p.tensor!r}") for b in p.buffer_boxes(buf.shape)]
+            for pad in buf.padding:
+                if not pad.within(buf.shape):
+                    raise LayoutError(f"{where}: padding {pad} lies outside the buffer")
+                regions.append((pad, "padding"))
+            _check_disjoint(regions, where)
+            if require_full_buffers:
+                covered = sum(r.numel for r, _ in regions)
+                if covered != buf.numel:
+                    raise LayoutError(
+                        f"{where}: {buf.numel - covered} of {buf.numel} elements are neither "
+                        "a piece nor declared padding (coverage gap)"
+                    )
 
 
 def _check_disjoint(regions: list[tuple[Box, str]], where: str) -> None:

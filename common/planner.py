@@ -18,10 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 
-from .layout import Box, Layout, LayoutError, contiguous_strides, itemsize
+import numpy as np
+
+from .layout import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
+from .tables import ITEMSIZE, LayoutTable, build_table, contiguous
+
+_DTYPE_NAMES = list(DTYPES)
 
 ALIGN = 64
 
@@ -121,45 +128,176 @@ class Message:
         return self.nbytes if (self.send_direct or self.recv_direct) else self.staged_bytes
 
 
-@dataclasses.dataclass(slots=True)
+class _RankMessages(Mapping):
+    """rank -> that rank's messages, materialized on first access from the plan's columns."""
+
+    def __init__(self, plan: Plan, key: str, relay: bool | None) -> None:
+        self._plan, self._cache = plan, {}
+        m = plan._m
+        sel = np.ones(len(m["src"]), dtype=bool) if relay is None else (m["relay"] == relay)
+        idx = np.flatnonzero(sel)
+        ranks = m[key][idx]
+        order = np.argsort(ranks, kind="stable")
+        self._idx, r = idx[order], ranks[order]
+        self._ranks = np.unique(r).tolist()
+        self._lo = dict(zip(self._ranks, np.searchsorted(r, self._ranks, "left").tolist()))
+        self._hi = dict(zip(self._ranks, np.searchsorted(r, self._ranks, "right").tolist()))
+
+    def __getitem__(self, rank: int) -> list[Message]:
+        if rank not in self._lo:
+            raise KeyError(rank)
+        out = self._cache.get(rank)
+        if out is None:
+            out = self._cache[rank] = [self._plan._message(i) for i in self._idx[self._lo[rank]:self._hi[rank]].tolist()]
+        return out
+
+    def __iter__(self):
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+
+class _RelayPieces(Mapping):
+    """replica rank -> the (buffer, piece) pairs it receives through relays (to verify them)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan, self._cache = plan, {}
+
+    def __getitem__(self, rank: int) -> list[tuple[str, int]]:
+        if rank not in self._plan.primary_of:
+            raise KeyError(rank)
+        out = self._cache.get(rank)
+        if out is None:
+            out = self._cache[rank] = self._plan._relay_pieces_of(rank)
+        return out
+
+    def __iter__(self):
+        return iter(sorted(self._plan.primary_of))
+
+    def __len__(self) -> int:
+        return len(self._plan.primary_of)
+
+
+@dataclasses.dataclass(eq=False)
 class Plan:
+    """A plan in columns (one row per message, one per segment); `sends`, `recvs` and
+    `relay_sends` give one rank's `Message` objects, built when first asked for."""
+
     src_world: int
     dst_world: int
-    messages: list[Message]
     num_rounds: int
     digest: str
-    sends: dict[int, list[Message]]
-    recvs: dict[int, list[Message]]
-    relay_sends: dict[int, list[Message]] = dataclasses.field(default_factory=dict)
+    _m: dict[str, np.ndarray]
+    """Messages, in (round, relay, src, dst, tag) order: src, dst, round, tag, sd, rd, relay, nbytes, lo, hi
+    (segment rows lo:hi)."""
+    _g: dict[str, np.ndarray]
+    """Segments: tensor, off, size, ndim, sbuf, sstart, sstrides, dbuf, dstart, dstrides, piece, sdt, ddt."""
+    _tensor_names: list[str]
+    _buffer_names: list[str]
     primary_of: dict[int, int] = dataclasses.field(default_factory=dict)
     """Destination rank -> the replica whose pieces (and expected checksums) it mirrors."""
-    relay_pieces: dict[int, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
-    """Destination rank -> the (buffer, piece) it receives through relays (to verify them)."""
+    _dst_table: LayoutTable | None = None
+    _subset: np.ndarray | None = None
+    sends: Mapping | None = None
+    recvs: Mapping | None = None
+    relay_sends: Mapping | None = None
+    relay_pieces: Mapping | None = None
+    _segments: dict[int, Segment] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sends is None:
+            self.sends = _RankMessages(self, "src", False)
+        if self.recvs is None:
+            self.recvs = _RankMessages(self, "dst", None)
+        if self.relay_sends is None:
+            self.relay_sends = _RankMessages(self, "src", True)
+        if self.relay_pieces is None:
+            self.relay_pieces = _RelayPieces(self)
+
+    # -- materialization -----------------------------------------------------------------
+    def _segment(self, j: int) -> Segment:
+        s = self._segments.get(j)
+        if s is None:
+            g, nd = self._g, int(self._g["ndim"][j])
+            t = int(g["tensor"][j])
+            box = Box(tuple(g["off"][j, :nd].tolist()), tuple(g["size"][j, :nd].tolist()))
+            src = Side(self._buffer_names[g["sbuf"][j]], int(g["sstart"][j]), tuple(g["sstrides"][j, :nd].tolist()))
+            dst = Side(self._buffer_names[g["dbuf"][j]], int(g["dstart"][j]), tuple(g["dstrides"][j, :nd].tolist()))
+            s = self._segments[j] = Segment(self._tensor_names[t] if t >= 0 else "", box, src, dst, int(g["piece"][j]),
+                                            _DTYPE_NAMES[g["sdt"][j]], _DTYPE_NAMES[g["ddt"][j]])
+        return s
+
+    def _message(self, i: int) -> Message:
+        m = self._m
+        segs = tuple(self._segment(j) for j in range(int(m["lo"][i]), int(m["hi"][i])))
+        return Message(int(m["src"][i]), int(m["dst"][i]), int(m["round"][i]), int(m["tag"][i]), segs,
+                       bool(m["sd"][i]), bool(m["rd"][i]), int(m["nbytes"][i]), bool(m["relay"][i]))
 
     @property
+    def messages(self) -> list[Message]:
+        """Every message (materialized: meant for small plans and tests)."""
+        return [self._message(i) for i in range(len(self._m["src"]))]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the plan's columns."""
+        return sum(a.nbytes for d in (self._m, self._g) for a in d.values())
+
+    @property
+    def num_messages(self) -> int:
+        return len(self._m["src"])
+
+    @property
+    def num_segments(self) -> int:
+        """Segment rows carried by messages (a relay's segments count once per link)."""
+        return int((self._m["hi"] - self._m["lo"]).sum())
+
+    # -- figures ---------------------------------------------------------------------------
+    @property
     def total_bytes(self) -> int:
-        return sum(m.nbytes for m in self.messages)
+        return int(self._m["nbytes"].sum())
 
     @property
     def source_bytes(self) -> int:
         """Bytes leaving the source ranks (relays excluded): trainer egress."""
-        return sum(m.nbytes for m in self.messages if not m.relay)
+        return int(self._m["nbytes"][~self._m["relay"]].sum())
 
+    def send_bytes(self, src: int) -> int:
+        m = self._m
+        return int(m["nbytes"][(m["src"] == src) & ~m["relay"]].sum())
+
+    def recv_bytes(self, dst: int) -> int:
+        return int(self._m["nbytes"][self._m["dst"] == dst].sum())
+
+    def rank_bytes(self) -> dict[str, np.ndarray]:
+        """Per-rank totals: sent by each source rank, received and relayed by each destination rank."""
+        m = self._m
+        src = np.bincount(m["src"][~m["relay"]], weights=m["nbytes"][~m["relay"]], minlength=self.src_world)
+        recv = np.bincount(m["dst"], weights=m["nbytes"], minlength=self.dst_world)
+        relay = np.bincount(m["src"][m["relay"]], weights=m["nbytes"][m["relay"]], minlength=self.dst_world)
+        return {"send": src.astype(np.int64), "recv": recv.astype(np.int64), "relay": relay.astype(np.int64)}
+
+    def link_bytes(self) -> dict[tuple[bool, int, int], int]:
+        """Bytes per link: (relay, src, dst) -> bytes."""
+        m = self._m
+        key = np.stack([m["relay"].astype(np.int64), m["src"], m["dst"]], axis=1)
+        uniq, inv = np.unique(key, axis=0, return_inverse=True)
+        tot = np.bincount(inv.reshape(-1), weights=m["nbytes"], minlength=len(uniq))
+        return {(bool(r), int(s), int(d)): int(b) for (r, s, d), b in zip(uniq.tolist(), tot.tolist())}
+
+    # -- verification ----------------------------------------------------------------------
     def expected_checksums(self, sent: dict[tuple[int, str, int], int]) -> dict[tuple[int, str, int], int]:
         """Sender checksums per destination piece, extended to the replicas fed by relays
         (a replica must hold exactly what its primary received)."""
         out = dict(sent)
+        reps: dict[int, list[int]] = defaultdict(list)
+        for rep, prim in self.primary_of.items():
+            reps[prim].append(rep)
         for (r, b, i), v in sent.items():
-            for rep, prim in self.primary_of.items():
-                if prim == r:
-                    out[(rep, b, i)] = v
+            for rep in reps.get(r, ()):
+                out[(rep, b, i)] = v
         return out
-
-    def send_bytes(self, src: int) -> int:
-        return sum(m.nbytes for m in self.sends.get(src, ()))
-
-    def recv_bytes(self, dst: int) -> int:
-        return sum(m.nbytes for m in self.recvs.get(dst, ()))
 
     def expected_pieces(self, dst: int) -> dict[tuple[str, int], list[Segment]]:
         """The destination pieces this rank receives (to checksum), with their source segments
@@ -172,6 +310,12 @@ class Plan:
         for key in self.relay_pieces.get(dst, ()):
             out.setdefault(key, [])
         return out
+
+    def _relay_pieces_of(self, rank: int) -> list[tuple[str, int]]:
+        t = self._dst_table
+        c = int(t.rank_class[rank])
+        rows = np.flatnonzero((t.buf_class[t.p_buf] == c) & (self._subset[t.p_tensor] if self._subset is not None else True))
+        return [(t.buf_obj[b].name, i) for b, i in zip(t.p_buf[rows].tolist(), t.p_index[rows].tolist())]
 
 
 def _align(n: int) -> int:
@@ -208,6 +352,503 @@ def check_compatible(src: Layout, dst: Layout, tensors: set[str] | None = None) 
             raise LayoutError(f"tensor {name!r}: dtype mismatch, source {s.dtype} vs destination {d.dtype}")
 
 
+def _align_arr(n: np.ndarray) -> np.ndarray:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _group_starts(keys: list[np.ndarray]) -> np.ndarray:
+    """Boolean: row i starts a new run of equal keys (rows already sorted)."""
+    n = len(keys[0])
+    new = np.zeros(n, dtype=bool)
+    if n:
+        new[0] = True
+        for k in keys:
+            new[1:] |= k[1:] != k[:-1] if k.ndim == 1 else (k[1:] != k[:-1]).any(axis=1)
+    return new
+
+
+def _next_fit(group: np.ndarray, weights: list[tuple[np.ndarray, int]], vectorized: bool | None = None) -> np.ndarray:
+    """Next-fit packing of each run of equal `group` values (rows in order) into bins whose
+    summed weights stay within each cap; an item alone always fits. Returns the bin index of
+    each row within its run. Vectorized over runs: one pass per bin of the longest run."""
+    n = len(group)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(_group_starts([group]))
+    ends = np.append(starts[1:], n)
+    if vectorized is None:
+        vectorized = len(starts) * 64 >= n // 64 and n > 20000
+    if not vectorized:
+        # Few, long runs: one plain pass over the items beats a numpy pass per bin.
+        out = np.empty(n, dtype=np.int64)
+        ws = [w.tolist() for w, _ in weights]
+        caps = [cap for _, cap in weights]
+        g = group.tolist()
+        prev, b, fill = None, 0, [0] * len(caps)
+        for i in range(n):
+            if g[i] != prev:
+                prev, b, fill = g[i], 0, [0] * len(caps)
+            elif any(f + w[i] > c for f, w, c in zip(fill, ws, caps)):
+                b, fill = b + 1, [0] * len(caps)
+            fill = [f + w[i] for f, w in zip(fill, ws)]
+            out[i] = b
+        return out
+    cums = [(np.concatenate(([0], np.cumsum(w))), cap) for w, cap in weights]
+    marker = np.zeros(n, dtype=bool)
+    pos, active = starts.copy(), np.arange(len(starts))
+    while active.size:
+        p = pos[active]
+        marker[p] = True
+        e = ends[active]
+        for c, cap in cums:
+            e = np.minimum(e, np.searchsorted(c, c[p] + cap, "right") - 1)
+        e = np.maximum(e, p + 1)
+        pos[active] = e
+        active = active[e < ends[active]]
+    b = np.cumsum(marker) - 1
+    run = np.cumsum(_group_starts([group])) - 1
+    return b - b[starts][run]
+
+
+def _split_rows(g: dict[str, np.ndarray], limit: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows larger than their element limit, split into sub-boxes (outermost dims first); the
+    sub-rows replace their row in place."""
+    numel = g["size"].prod(axis=1)
+    big = np.flatnonzero(numel > limit)
+    if not big.size:
+        return g
+    parts: list[tuple[int, tuple, tuple]] = []
+    for j in big.tolist():
+        nd = int(g["ndim"][j])
+        size = tuple(g["size"][j, :nd].tolist())
+        parts += [(j, off, sz) for off, sz in _split_box(size, max(1, int(limit[j])))]
+    D = g["off"].shape[1]
+    count = np.ones(len(numel), dtype=np.int64)
+    count[big] = 0
+    np.add.at(count, np.array([p[0] for p in parts], dtype=np.int64), 1)
+    idx = np.repeat(np.arange(len(numel)), count)  # sub-rows of a row are consecutive, in split order
+    out = {k: v[idx] for k, v in g.items()}
+    pos = np.flatnonzero(np.isin(idx, big))
+    rel = np.zeros((len(parts), D), dtype=np.int64)
+    sub_size = np.ones((len(parts), D), dtype=np.int64)
+    for i, (_, off, sz) in enumerate(parts):
+        rel[i, :len(off)] = off
+        sub_size[i, :len(sz)] = sz
+    out["off"][pos] += rel
+    out["size"][pos] = sub_size
+    out["sstart"][pos] += (rel * out["sstrides"][pos]).sum(axis=1)
+    out["dstart"][pos] += (rel * out["dstrides"][pos]).sum(axis=1)
+    return out
+
+
+def _messages(g: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOptions, bucket: int):
+    """Segments (with pair keys `ps`, `pd`) -> (segments in message order, messages).
+
+    Per pair, segments sort by destination buffer and offset. A segment that is contiguous on a
+    side and at least direct_min_bytes goes alone, straight from/into storage on that side;
+    the others pack, in order, into staged messages of at most bucket_bytes. Consecutive
+    messages of a pair then share a round while their staged bytes fit a bucket and their
+    bytes fit max_message_bytes."""
+    isz = ITEMSIZE[g["ddt"]]
+    nbytes = g["size"].prod(axis=1) * isz
+    g["sc"] = (g["sdt"] == g["ddt"]) & contiguous(g["size"], g["sstrides"], g["ndim"])
+    g["dc"] = contiguous(g["size"], g["dstrides"], g["ndim"])
+    g["direct"] = (g["sc"] | g["dc"]) & (nbytes >= options.direct_min_bytes)
+    limit = np.where(g["direct"] & g["sc"] & g["dc"], options.max_message_bytes, bucket) // isz
+    n0 = len(nbytes)
+    g = _split_rows(g, limit)
+    if len(g["sc"]) != n0:
+        # A split row keeps its segment's decision (direct or packed); it is contiguous on a side
+        # only if the segment was and its own view is.
+        g["sc"] &= contiguous(g["size"], g["sstrides"], g["ndim"])
+        g["dc"] &= contiguous(g["size"], g["dstrides"], g["ndim"])
+    nbytes = g["size"].prod(axis=1) * ITEMSIZE[g["ddt"]]
+    n = len(nbytes)
+    # Order: pair, destination buffer (by name), destination offset (unique within a buffer).
+    pair_key = (g["ps"] << 20) | g["pd"]
+    order = np.lexsort((g["dstart"], name_rank[g["dbuf"]], pair_key))
+    pk_s, nb_s = pair_key[order], nbytes[order]
+    direct = g["direct"][order]
+    sd, rd = direct & g["sc"][order], direct & g["dc"][order]
+    pair_id = np.cumsum(_group_starts([pk_s])) - 1 if n else np.zeros(0, dtype=np.int64)
+    # Packed rows: next-fit into buckets per pair; each message sits at its first row.
+    pk = np.flatnonzero(~direct)
+    first = np.arange(n)
+    if pk.size:
+        bins = _next_fit(pair_id[pk], [(_align_arr(nb_s[pk]), bucket)])
+        bstart = _group_starts([pair_id[pk], bins])
+        first[pk] = pk[bstart][np.cumsum(bstart) - 1]
+    # Rows grouped by message (a bucket's later rows may sit after direct rows of the pair).
+    o2 = np.argsort(first, kind="stable")
+    order = order[o2]
+    first, nb_s, sd, rd, pair_id = first[o2], nb_s[o2], sd[o2], rd[o2], pair_id[o2]
+    ps_o, pd_o = g["ps"][order], g["pd"][order]
+    g = {k: g[k][order] for k in SEG_KEYS}
+    mstart = _group_starts([first]) if n else np.zeros(0, dtype=bool)
+    lo = np.flatnonzero(mstart)
+    hi = np.append(lo[1:], n)
+    m_nbytes = np.add.reduceat(nb_s, lo) if n else np.zeros(0, np.int64)
+    m_staged = np.add.reduceat(_align_arr(nb_s), lo) if n else np.zeros(0, np.int64)
+    m_sd, m_rd, m_pair = sd[lo], rd[lo], pair_id[lo]
+    # Tags: message index within its pair; rounds: next-fit within the pair.
+    pstart = _group_starts([m_pair])
+    pfirst = np.flatnonzero(pstart)
+    m_tag = np.arange(len(lo)) - pfirst[np.cumsum(pstart) - 1] if len(lo) else np.zeros(0, np.int64)
+    st = np.where(m_sd & m_rd, 0, m_staged)
+    m_round = _next_fit(m_pair, [(st, bucket), (m_nbytes, options.max_message_bytes)])
+    msgs = {"src": ps_o[lo], "dst": pd_o[lo], "round": m_round, "tag": m_tag, "sd": m_sd, "rd": m_rd,
+            "nbytes": m_nbytes, "lo": lo, "hi": hi}
+    return g, msgs
+
+
+SEG_KEYS = ("tensor", "off", "size", "ndim", "sbuf", "sstart", "sstrides", "dbuf", "dstart", "dstrides", "piece", "sdt", "ddt")
+
+
+def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tensors: set[str] | None = None) -> Plan:
+    """Plan the transfer of every destination piece (of `tensors`, or all) from the source layout."""
+    options = options or PlanOptions()
+    bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
+    names: dict[str, int] = {}
+    S = build_table(src, names, "source", require_full_buffers=False)
+    T = build_table(dst, names, "destination", require_full_buffers=True)
+    check_compatible(src, dst, tensors)
+    buffer_names = sorted(names, key=names.__getitem__)
+    name_rank = np.empty(len(buffer_names), dtype=np.int64)
+    name_rank[np.argsort(np.array(buffer_names, dtype=object), kind="stable")] = np.arange(len(buffer_names))
+    D = max(S.D, T.D)
+    s_off, s_size, s_strides = (_widen(a, D, f) for a, f in ((S.p_off, 0), (S.p_size, 1), (S.p_strides, 0)))
+    d_off, d_size, d_strides = (_widen(a, D, f) for a, f in ((T.p_off, 0), (T.p_size, 1), (T.p_strides, 0)))
+    t_shape = _widen(T.tensor_shape, D, 1)
+
+    # Source tensor ids in the destination's numbering (-1: not a destination tensor).
+    d_tid = {n: i for i, n in enumerate(T.tensor_names)}
+    s2d = np.array([d_tid.get(n, -1) for n in S.tensor_names] + [-1], dtype=np.int64)
+    subset = None
+    if tensors is not None:
+        subset = np.array([n in tensors for n in T.tensor_names], dtype=bool)
+
+    # -- distinct source boxes, each with the classes (and so the ranks) holding it -----------
+    st = s2d[S.p_tensor]
+    rows = np.flatnonzero((S.p_numel > 0) & (st >= 0))
+    cls = S.buf_class[S.p_buf[rows]]
+    keys = [cls] + [s_size[rows, d] for d in range(D - 1, -1, -1)] + [s_off[rows, d] for d in range(D - 1, -1, -1)] + [st[rows]]
+    o = np.lexsort(keys)
+    rows, cls = rows[o], cls[o]
+    bstart = _group_starts([st[rows], s_off[rows], s_size[rows]])
+    dup = ~bstart & np.append(False, cls[1:] == cls[:-1])  # a class holding one box twice: keep one
+    rows, cls, bstart = rows[~dup], cls[~dup], bstart[~dup]
+    b_first = np.flatnonzero(bstart)
+    b_count = np.diff(np.append(b_first, len(rows)))
+    b_row = rows[b_first]                       # a representative piece row per distinct box
+    b_t, b_off, b_size = st[b_row], s_off[b_row], s_size[b_row]
+    _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, T.tensor_names)
+    # Holder sets: one class -> that class's ranks; several -> their union, interned.
+    nclass = S.num_classes
+    hs = cls[b_first].copy()
+    hs_ranks: list[np.ndarray] = [np.array(r, dtype=np.int64) for r in S.class_ranks]
+    multi: dict[tuple, int] = {}
+    for b in np.flatnonzero(b_count > 1).tolist():
+        key = tuple(cls[b_first[b]:b_first[b] + b_count[b]].tolist())
+        h = multi.get(key)
+        if h is None:
+            h = multi[key] = nclass + len(multi)
+            hs_ranks.append(np.sort(np.concatenate([hs_ranks[c] for c in key])))
+        hs[b] = h
+    # The piece row holding box b on rank r: rank -> class -> row among the box's rows.
+    # (kept as the box's rows sorted by class, searched per assignment below)
+
+    # -- destination pieces x source boxes ------------------------------------------------------
+    primary = np.array([r[0] for r in T.class_ranks], dtype=np.int64)
+    dp_rows = np.flatnonzero((T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True))
+    # Candidate boxes per destination piece: each tensor's source boxes are searched along the
+    # first dimension on which they are disjoint (only the boxes overlapping the piece there);
+    # a tensor with no such dimension offers all of its boxes.
+    ntens = len(T.tensor_names) + 1
+    search_dim = np.full(ntens, -1, dtype=np.int64)
+    for d in range(D - 1, -1, -1):
+        o_d = np.lexsort((b_off[:, d], b_t))
+        t_d, lo_d, hi_d = b_t[o_d], b_off[o_d, d], b_off[o_d, d] + b_size[o_d, d]
+        clash = (t_d[1:] == t_d[:-1]) & (lo_d[1:] < hi_d[:-1])
+        ok = np.ones(ntens, dtype=bool)
+        ok[t_d[1:][clash]] = False
+        search_dim[ok] = d  # the lowest such dimension wins (descending loop)
+    M = np.int64(1) << np.int64(40)
+    bd = np.maximum(search_dim[b_t], 0)
+    b_lo = np.take_along_axis(b_off, bd[:, None], 1)[:, 0]
+    b_hi = b_lo + np.take_along_axis(b_size, bd[:, None], 1)[:, 0]
+    bo = np.lexsort((b_lo, b_t))
+    b_t_s = b_t[bo]
+    key_lo, key_hi = b_t_s * M + b_lo[bo], b_t_s * M + b_hi[bo]
+    dt_ = T.p_tensor[dp_rows]
+    dd = search_dim[dt_]
+    ddc = np.maximum(dd, 0)[:, None]
+    a0 = np.take_along_axis(d_off[dp_rows], ddc, 1)[:, 0]
+    a1 = a0 + np.take_along_axis(d_size[dp_rows], ddc, 1)[:, 0]
+    t_lo = np.searchsorted(b_t_s, dt_, "left")
+    t_hi = np.searchsorted(b_t_s, dt_, "right")
+    every = dd < 0
+    lo = np.where(every, t_lo, np.searchsorted(key_hi, dt_ * M + a0, "right"))
+    hi = np.where(every, t_hi, np.searchsorted(key_lo, dt_ * M + a1, "left"))
+    lo = np.maximum(lo, t_lo)
+    hi = np.maximum(np.minimum(hi, t_hi), lo)
+    cnt = hi - lo
+    pair_d = np.repeat(np.arange(len(dp_rows)), cnt)
+    pair_b = bo[np.repeat(lo, cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))]
+    prow = dp_rows[pair_d]
+    ilo = np.maximum(d_off[prow], b_off[pair_b])
+    ihi = np.minimum(d_off[prow] + d_size[prow], b_off[pair_b] + b_size[pair_b])
+    hit = (ihi > ilo).all(axis=1)
+    pair_d, pair_b, prow, ilo, ihi = pair_d[hit], pair_b[hit], prow[hit], ilo[hit], ihi[hit]
+    isize = ihi - ilo
+    inumel = isize.prod(axis=1)
+    covered = np.bincount(pair_d, weights=inumel, minlength=len(dp_rows)).astype(np.int64)
+    gap = np.flatnonzero(covered != T.p_numel[dp_rows])
+    if gap.size:
+        r = int(dp_rows[gap[0]])
+        buf = T.buf_obj[T.p_buf[r]]
+        p = buf.pieces[T.p_index[r]]
+        raise LayoutError(
+            f"tensor {p.tensor!r}: destination rank {int(primary[T.buf_class[T.p_buf[r]]])} buffer {buf.name!r} needs box "
+            f"{p.box}, but the source layout covers only {int(covered[gap[0]])} of its {p.box.numel} elements (coverage gap)")
+
+    # -- receivers: each class's primary (replicas get relays), or every rank without relays ----
+    pcls = T.buf_class[T.p_buf[prow]]
+    if options.relay:
+        drank = primary[pcls]
+        reps = np.arange(len(pcls))
+    else:
+        counts = np.array([len(r) for r in T.class_ranks], dtype=np.int64)[pcls]
+        reps = np.repeat(np.arange(len(pcls)), counts)
+        drank = np.concatenate([np.array(T.class_ranks[c], dtype=np.int64) for c in pcls.tolist()]) if len(pcls) else pcls
+    pair_b, prow, ilo, isize, inumel = pair_b[reps], prow[reps], ilo[reps], isize[reps], inumel[reps]
+    nbytes = inumel * ITEMSIZE[T.buf_dtype[T.p_buf[prow]]]
+
+    # -- one source replica per transfer: largest first, to the least-loaded holder ------------
+    srank = _assign(nbytes, hs[pair_b], drank, hs_ranks, src.world)
+    # The piece row of box b held by srank.
+    srow = _holder_rows(S, rows, b_first, b_count, pair_b, srank)
+    g = {
+        "tensor": T.p_tensor[prow], "off": ilo, "size": isize, "ndim": T.p_ndim[prow],
+        "sbuf": S.buf_name[S.p_buf[srow]], "sstart": S.p_start[srow] + ((ilo - s_off[srow]) * s_strides[srow]).sum(axis=1),
+        "sstrides": s_strides[srow], "dbuf": T.buf_name[T.p_buf[prow]],
+        "dstart": T.p_start[prow] + ((ilo - d_off[prow]) * d_strides[prow]).sum(axis=1), "dstrides": d_strides[prow],
+        "piece": T.p_index[prow], "sdt": S.buf_dtype[S.p_buf[srow]], "ddt": T.buf_dtype[T.p_buf[prow]],
+        "ps": srank, "pd": drank,
+    }
+    g, m = _messages(g, name_rank, options, bucket)
+    m["relay"] = np.zeros(len(m["src"]), dtype=bool)
+    num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
+
+    # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
+    primary_of: dict[int, int] = {}
+    seg_parts, msg_parts = [g], [m]
+    nseg = len(g["tensor"])
+    if options.relay:
+        for c, ranks in enumerate(T.class_ranks):
+            if len(ranks) < 2:
+                continue
+            for r in ranks[1:]:
+                primary_of[r] = ranks[0]
+            rg = _relay_segments(T, c, subset, D)
+            if not len(rg["tensor"]):
+                continue
+            rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+            rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+            rg, rm = _messages(rg, name_rank, options, bucket)
+            # Link k of a chain runs one round behind link k-1: message j leaves a replica the
+            # round after it arrived there, so every link carries the data once, pipelined.
+            for k in range(len(ranks) - 1):
+                lm = dict(rm)
+                lm["src"] = np.full(len(rm["src"]), ranks[k], dtype=np.int64)
+                lm["dst"] = np.full(len(rm["src"]), ranks[k + 1], dtype=np.int64)
+                lm["round"] = rm["round"] + num_rounds + k
+                lm["lo"], lm["hi"] = rm["lo"] + nseg, rm["hi"] + nseg
+                lm["relay"] = np.ones(len(rm["src"]), dtype=bool)
+                msg_parts.append(lm)
+            seg_parts.append(rg)
+            nseg += len(rg["tensor"])
+    G = {k: np.concatenate([p[k] for p in seg_parts]) for k in SEG_KEYS}
+    Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
+    order = np.lexsort((Mm["tag"], Mm["dst"], Mm["src"], Mm["relay"], Mm["round"]))
+    Mm = {k: v[order] for k, v in Mm.items()}
+    num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
+    digest = _digest(S.fingerprint(), T.fingerprint(), tensors, Mm, G, T.tensor_names, buffer_names)
+    return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset)
+
+
+def _widen(a: np.ndarray, D: int, fill: int) -> np.ndarray:
+    if a.shape[1] == D:
+        return a
+    out = np.full((a.shape[0], D), fill, dtype=np.int64)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tnames) -> None:
+    """Distinct source boxes of one tensor must not overlap (identical ones are replicas)."""
+    if len(b_t) < 2:
+        return
+    strides = _contig_rows(t_shape[b_t])
+    lo = (b_off * strides).sum(axis=1)
+    hi = lo + ((b_size - 1) * strides).sum(axis=1) + 1
+    o = np.lexsort((lo, b_t))
+    t_o = b_t[o]
+    bad = (t_o[1:] == t_o[:-1]) & (lo[o][1:] < hi[o][:-1])
+    if not bad.any():
+        return  # linear spans disjoint: boxes disjoint
+    # Exact test on the tensors the spans could not clear: every pair of their boxes, compared
+    # by shifting the tensor-sorted list against itself.
+    flagged = np.zeros(len(tnames) + 1, dtype=bool)
+    flagged[t_o[1:][bad]] = True
+    idx = o[flagged[t_o]]
+    t_i = b_t[idx]
+    lo_i, hi_i = b_off[idx], b_off[idx] + b_size[idx]
+    for shift in range(1, len(idx)):
+        same = t_i[shift:] == t_i[:-shift]
+        if not same.any():
+            break
+        inter = same & (np.maximum(lo_i[shift:], lo_i[:-shift]) < np.minimum(hi_i[shift:], hi_i[:-shift])).all(axis=1)
+        if inter.any():
+            k = int(np.flatnonzero(inter)[0])
+            boxes = []
+            for x in (int(idx[k]), int(idx[k + shift])):
+                r = int(rows[b_first[x]])
+                buf = S.buf_obj[S.p_buf[r]]
+                boxes.append((buf.pieces[S.p_index[r]].box, S.class_ranks[S.buf_class[S.p_buf[r]]][0]))
+            (ba, ra), (bb, rb) = sorted(boxes, key=lambda x: (x[0].offset, x[0].size))
+            raise LayoutError(f"tensor {tnames[int(t_i[k])]!r}: source boxes {ba} (rank {ra}) and {bb} (rank {rb}) "
+                              "overlap without being identical replicas")
+
+
+def _contig_rows(shape: np.ndarray) -> np.ndarray:
+    out = np.ones_like(shape)
+    for d in range(shape.shape[1] - 2, -1, -1):
+        out[:, d] = out[:, d + 1] * shape[:, d + 1]
+    return out
+
+
+def _assign(nbytes: np.ndarray, hs: np.ndarray, drank: np.ndarray, hs_ranks: list[np.ndarray], world: int) -> np.ndarray:
+    """Greedy largest-first assignment of transfers to the least-loaded rank of their holder set.
+
+    Transfers of equal size and holder set are placed together: for n equal items the greedy
+    choices are the n smallest of {load_j + k * size} over holders j (ties to the lower rank)."""
+    n = len(nbytes)
+    out = np.empty(n, dtype=np.int64)
+    load = np.zeros(world, dtype=np.int64)
+    o = np.lexsort((np.arange(n), drank, hs, -nbytes))
+    gstart = np.flatnonzero(_group_starts([nbytes[o], hs[o]]))
+    gend = np.append(gstart[1:], n)
+    for a, b in zip(gstart.tolist(), gend.tolist()):
+        idx = o[a:b]
+        h = hs_ranks[int(hs[idx[0]])]
+        s = int(nbytes[idx[0]])
+        k, cnt = len(h), b - a
+        if k == 1:
+            out[idx] = h[0]
+            load[h[0]] += s * cnt
+            continue
+        L = load[h]
+        per = min(cnt, -(-cnt // k) + int((L.max() - L.min()) // max(s, 1)) + 1)
+        if k * per <= 4_000_000:
+            val = L[:, None] + s * np.arange(per)[None, :]
+            j = np.broadcast_to(np.arange(k)[:, None], val.shape)
+            flat = np.lexsort((j.ravel(), val.ravel()))[:cnt]
+            pick = j.ravel()[flat]
+        else:  # a very wide group: one item at a time
+            pick = np.empty(cnt, dtype=np.int64)
+            heap = [(int(L[x]), x) for x in range(k)]
+            heapq.heapify(heap)
+            for t in range(cnt):
+                v, x = heapq.heappop(heap)
+                pick[t] = x
+                heapq.heappush(heap, (v + s, x))
+        out[idx] = h[pick]
+        np.add.at(load, h[pick], s)
+    return out
+
+
+def _holder_rows(S, rows, b_first, b_count, pair_b, srank) -> np.ndarray:
+    """For each transfer, the source piece row of its box in the chosen rank's class."""
+    cls_of_rank = S.rank_class[srank]
+    single = b_count[pair_b] == 1
+    out = rows[b_first[pair_b]].copy()
+    multi = np.flatnonzero(~single)
+    if multi.size:
+        # The box's rows are sorted by class: search the chosen class among them.
+        box_cls = S.buf_class[S.p_buf[rows]]
+        fb, cb = b_first[pair_b[multi]], b_count[pair_b[multi]]
+        key = cls_of_rank[multi]
+        # Vectorized search: classes of the box lie in box_cls[fb:fb+cb], ascending.
+        lo, hi = fb.copy(), fb + cb
+        while True:
+            act = lo < hi
+            if not act.any():
+                break
+            mid = (lo + hi) // 2
+            go_right = act & (box_cls[np.minimum(mid, len(box_cls) - 1)] < key)
+            lo = np.where(go_right, mid + 1, lo)
+            hi = np.where(act & ~go_right, mid, hi)
+        out[multi] = rows[lo]
+    return out
+
+
+def _relay_segments(T, c: int, subset, D: int) -> dict[str, np.ndarray]:
+    """What a replica of class c receives from the previous replica: for a whole update, every
+    buffer's non-padding bytes in a few contiguous runs (raw segments: tensor -1, piece -1);
+    for a partial update, the pieces of the chosen tensors."""
+    bufs = np.flatnonzero(T.buf_class == c)
+    if subset is None:
+        rb, rs, rn = [], [], []
+        for b in bufs.tolist():
+            for start, n in _payload_ranges(T.buf_obj[b]):
+                rb.append(b)
+                rs.append(start)
+                rn.append(n)
+        rb_a = np.array(rb, dtype=np.int64)
+        n = len(rb)
+        size = np.ones((n, D), dtype=np.int64)
+        size[:, 0] = rn
+        strides = np.zeros((n, D), dtype=np.int64)
+        strides[:, 0] = 1
+        start = np.array(rs, dtype=np.int64)
+        return {"tensor": np.full(n, -1, dtype=np.int64), "off": np.zeros((n, D), dtype=np.int64), "size": size,
+                "ndim": np.ones(n, dtype=np.int64), "sbuf": T.buf_name[rb_a], "sstart": start, "sstrides": strides,
+                "dbuf": T.buf_name[rb_a], "dstart": start, "dstrides": strides, "piece": np.full(n, -1, dtype=np.int64),
+                "sdt": T.buf_dtype[rb_a], "ddt": T.buf_dtype[rb_a]}
+    rows = np.flatnonzero((T.buf_class[T.p_buf] == c) & subset[T.p_tensor] & (T.p_numel > 0))
+    off, strides = _widen(T.p_off[rows], D, 0), _widen(T.p_strides[rows], D, 0)
+    return {"tensor": T.p_tensor[rows], "off": off, "size": _widen(T.p_size[rows], D, 1), "ndim": T.p_ndim[rows],
+            "sbuf": T.buf_name[T.p_buf[rows]], "sstart": T.p_start[rows], "sstrides": strides,
+            "dbuf": T.buf_name[T.p_buf[rows]], "dstart": T.p_start[rows], "dstrides": strides,
+            "piece": T.p_index[rows], "sdt": T.buf_dtype[T.p_buf[rows]], "ddt": T.buf_dtype[T.p_buf[rows]]}
+
+
+def _flat_runs(box: Box, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A box of a tensor as contiguous (start, count) runs of its flattened elements."""
+    rng = box.contiguous_range(shape)
+    if rng is not None or box.numel == 0:
+        return [rng] if rng and rng[1] else []
+    runs = []
+    for r in range(box.offset[0], box.end[0]):
+        runs += _flat_runs(Box((r, *box.offset[1:]), (1, *box.size[1:])), shape)
+    return runs
+
+
+def _payload_ranges(buf) -> list[tuple[int, int]]:
+    """The buffer's elements outside declared padding, as contiguous (start, count) runs."""
+    if not buf.padding:
+        return [(0, buf.numel)] if buf.numel else []
+    pads = sorted(run for p in buf.padding for run in _flat_runs(p, buf.shape))
+    out, pos = [], 0
+    for start, n in pads:
+        if start > pos:
+            out.append((pos, start - pos))
+        pos = max(pos, start + n)
+    if pos < buf.numel:
+        out.append((pos, buf.numel - pos))
+    return out
+
+
 def _split_box(size: tuple[int, ...], max_elems: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Split a box (relative coordinates) into sub-boxes of at most max_elems elements.
 
@@ -229,222 +870,15 @@ def _split_box(size: tuple[int, ...], max_elems: int) -> list[tuple[tuple[int, .
     return out
 
 
-def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tensors: set[str] | None = None) -> Plan:
-    """Plan the transfer of every destination piece (of `tensors`, or all) from the source layout."""
-    options = options or PlanOptions()
-    bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
-    src.validate("source", require_full_buffers=False)
-    dst.validate("destination", require_full_buffers=True)
-    check_compatible(src, dst, tensors)
-
-    # Distinct source boxes per tensor, each with the (rank, buffer, region) replicas holding it.
-    holders: dict[str, dict[Box, list[tuple[int, Side, str]]]] = defaultdict(lambda: defaultdict(list))
-    for rank, bufs in enumerate(src.ranks):
-        for buf in bufs:
-            for p in buf.pieces:
-                start, strides = p.base(buf.shape)
-                holders[p.tensor][p.box].append((rank, Side(buf.name, start, strides), buf.dtype))
-    src_boxes: dict[str, list[Box]] = {}
-    for name, by_box in holders.items():
-        boxes = sorted(by_box, key=lambda b: (b.offset, b.size))
-        for i, a in enumerate(boxes):
-            for b in boxes[i + 1 :]:
-                if a.intersect(b) is not None:
-                    raise LayoutError(
-                        f"tensor {name!r}: source boxes {a} (rank {by_box[a][0][0]}) and {b} "
-                        f"(rank {by_box[b][0][0]}) overlap without being identical replicas"
-                    )
-        src_boxes[name] = boxes
-
-    # Assign every (destination piece x source box) intersection to one source replica,
-    # balancing the bytes each source rank sends (largest first, least-loaded replica).
-    primary_of = _replica_groups(dst) if options.relay else {}
-    pending: list[tuple] = []  # (dst rank, order, piece idx, box, dst side, dtype, tensor, source box)
-    for drank, bufs in enumerate(dst.ranks):
-        if primary_of.get(drank, drank) != drank:
-            continue  # a replica: fed by a relay below
-        for buf in bufs:
-            for pi, p in enumerate(buf.pieces):
-                if tensors is not None and p.tensor not in tensors:
-                    continue
-                covered = 0
-                start, strides = p.base(buf.shape)
-                base = Side(buf.name, start, strides)
-                for sbox in src_boxes.get(p.tensor, ()):
-                    inter = sbox.intersect(p.box)
-                    if inter is None:
-                        continue
-                    covered += inter.numel
-                    delta = tuple(i - b for i, b in zip(inter.offset, p.box.offset))
-                    pending.append((drank, len(pending), pi, inter, base.shifted(delta), buf.dtype, p.tensor, sbox))
-                if covered != p.box.numel:
-                    raise LayoutError(
-                        f"tensor {p.tensor!r}: destination rank {drank} buffer {buf.name!r} needs box {p.box}, "
-                        f"but the source layout covers only {covered} of its {p.box.numel} elements (coverage gap)"
-                    )
-
-    load: dict[int, int] = defaultdict(int)
-    pair_segments: dict[tuple[int, int], list[Segment]] = defaultdict(list)
-    order = sorted(pending, key=lambda t: (-t[3].numel * itemsize(t[5]), t[0], t[1]))
-    for drank, _, pi, inter, dside, ddtype, tname, sbox in order:
-        reps = holders[tname][sbox]
-        nbytes = inter.numel * itemsize(ddtype)
-        # Least-loaded replica; ties broken by a rotation on the destination rank.
-        best = min(range(len(reps)), key=lambda i: (load[reps[i][0]], (i - drank) % len(reps)))
-        srank, sbase, sdtype = reps[best]
-        load[srank] += nbytes
-        delta = tuple(i - b for i, b in zip(inter.offset, sbox.offset))
-        pair_segments[(srank, drank)].append(Segment(tname, inter, sbase.shifted(delta), dside, pi, sdtype, ddtype))
-
-    messages: list[Message] = []
-    num_rounds = 0
-    for (srank, drank) in sorted(pair_segments):
-        msgs = _pair_messages(srank, drank, pair_segments[(srank, drank)], options, bucket, 0, False)
-        messages += msgs
-        num_rounds = max(num_rounds, max(m.round for m in msgs) + 1)
-    # Relays: replicas forward what they hold, in rounds after every source round, along a
-    # pipelined chain per replica group, so no replica's link carries the data more than once.
-    relay_pieces: dict[int, list[tuple[str, int]]] = defaultdict(list)
-    relay_end = num_rounds
-    for link, a, b in _relay_chains(primary_of):
-        segs = []
-        for buf in dst.ranks[b]:
-            picked = [(pi, p) for pi, p in enumerate(buf.pieces) if tensors is None or p.tensor in tensors]
-            relay_pieces[b] += [(buf.name, pi) for pi, _ in picked]
-            if tensors is None:
-                # A whole update: the buffer's non-padding bytes in a few contiguous runs
-                # (raw segments: dst_piece -1, a 1-D box over the flattened buffer).
-                for start, n in _payload_ranges(buf):
-                    side = Side(buf.name, start, (1,))
-                    segs.append(Segment("", Box((0,), (n,)), side, side, -1, buf.dtype, buf.dtype))
-                continue
-            for pi, p in picked:
-                start, strides = p.base(buf.shape)
-                side = Side(buf.name, start, strides)
-                segs.append(Segment(p.tensor, p.box, side, side, pi, buf.dtype, buf.dtype))
-        if segs:
-            # Link k of a chain runs one round behind link k-1: message j leaves a replica the
-            # round after it arrived there, so every link carries the data once, pipelined.
-            msgs = _pair_messages(a, b, segs, options, bucket, num_rounds + link, True)
-            messages += msgs
-            relay_end = max(relay_end, max(m.round for m in msgs) + 1)
-    num_rounds = relay_end
-
-    messages.sort(key=lambda m: (m.round, m.relay, m.src, m.dst, m.tag))
-    sends: dict[int, list[Message]] = defaultdict(list)
-    relay_sends: dict[int, list[Message]] = defaultdict(list)
-    recvs: dict[int, list[Message]] = defaultdict(list)
-    for m in messages:
-        (relay_sends if m.relay else sends)[m.src].append(m)
-        recvs[m.dst].append(m)
-    return Plan(src.world, dst.world, messages, num_rounds, _digest(src, dst, messages, tensors), dict(sends), dict(recvs),
-                dict(relay_sends), {r: p for r, p in primary_of.items() if r != p}, dict(relay_pieces))
-
-
-def _flat_runs(box: Box, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    """A box of a tensor as contiguous (start, count) runs of its flattened elements."""
-    rng = box.contiguous_range(shape)
-    if rng is not None or box.numel == 0:
-        return [rng] if rng and rng[1] else []
-    runs = []
-    for r in range(box.offset[0], box.end[0]):
-        runs += _flat_runs(Box((r, *box.offset[1:]), (1, *box.size[1:])), shape)
-    return runs
-
-
-def _payload_ranges(buf) -> list[tuple[int, int]]:
-    """The buffer's elements outside declared padding, as contiguous (start, count) runs."""
-    pads = sorted(run for p in buf.padding for run in _flat_runs(p, buf.shape))
-    out, pos = [], 0
-    for start, n in pads:
-        if start > pos:
-            out.append((pos, start - pos))
-        pos = max(pos, start + n)
-    if pos < buf.numel:
-        out.append((pos, buf.numel - pos))
-    return out
-
-
-def _replica_groups(dst: Layout) -> dict[int, int]:
-    """Destination rank -> primary rank of its replica group (ranks holding identical buffers)."""
-    first: dict[tuple, int] = {}
-    out = {}
-    for r, bufs in enumerate(dst.ranks):
-        out[r] = first.setdefault(bufs, r)
-    return out
-
-
-def _relay_chains(primary_of: dict[int, int]) -> list[tuple[int, int, int]]:
-    """(link index, from, to) along one chain per replica group: primary -> r1 -> r2 -> ..."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for r, p in sorted(primary_of.items()):
-        if r != p:
-            groups[p].append(r)
-    out = []
-    for p, reps in sorted(groups.items()):
-        chain = [p, *reps]
-        out += [(k, chain[k], chain[k + 1]) for k in range(len(reps))]
-    return out
-
-
-def _pair_messages(srank: int, drank: int, segments: list[Segment], options: PlanOptions, bucket: int,
-                   first_round: int, relay: bool) -> list[Message]:
-    """One pair's segments, split to buckets, packed or direct, in rounds from `first_round`."""
-    segs = sorted(segments, key=lambda s: (s.dst.buffer, s.dst.start, s.tensor, s.box.offset))
-    pair_msgs: list[tuple[list[Segment], bool, bool]] = []
-    packed: list[Segment] = []
-    packed_bytes = 0
-
-    def flush() -> None:
-        nonlocal packed, packed_bytes
-        if packed:
-            pair_msgs.append((packed, False, False))
-            packed, packed_bytes = [], 0
-
-    for seg in segs:
-        isz = itemsize(seg.dst_dtype)
-        s_contig = seg.src_dtype == seg.dst_dtype and seg.src.contiguous(seg.box.size)
-        d_contig = seg.dst.contiguous(seg.box.size)
-        direct = (s_contig or d_contig) and seg.nbytes >= options.direct_min_bytes
-        limit = (options.max_message_bytes if (s_contig and d_contig) else bucket) // isz
-        for off, size in _split_box(seg.box.size, max(1, limit if direct else bucket // isz)):
-            sub = _sub_segment(seg, off, size)
-            if direct:
-                sc = s_contig and sub.src.contiguous(size)
-                dc = d_contig and sub.dst.contiguous(size)
-                pair_msgs.append(([sub], sc, dc))
-                continue
-            if packed_bytes + _align(sub.nbytes) > bucket:
-                flush()
-            packed.append(sub)
-            packed_bytes += _align(sub.nbytes)
-    flush()
-    # Rounds: consecutive messages of a pair share a round while their staged bytes fit a bucket.
-    out = []
-    rnd, staged, total = first_round, 0, 0
-    for tag, (msegs, sd, rd) in enumerate(pair_msgs):
-        nbytes = sum(s.nbytes for s in msegs)
-        st = 0 if (sd and rd) else sum(_align(s.nbytes) for s in msegs)
-        if tag and (staged + st > bucket or total + nbytes > options.max_message_bytes):
-            rnd, staged, total = rnd + 1, 0, 0
-        staged += st
-        total += nbytes
-        out.append(Message(srank, drank, rnd, tag, tuple(msegs), sd, rd, nbytes, relay))
-    return out
-
-
-def _sub_segment(seg: Segment, off: tuple[int, ...], size: tuple[int, ...]) -> Segment:
-    box = Box(tuple(o + d for o, d in zip(seg.box.offset, off)), size)
-    return dataclasses.replace(seg, box=box, src=seg.src.shifted(off), dst=seg.dst.shifted(off))
-
-
-def _digest(src: Layout, dst: Layout, messages: list[Message], tensors: set[str] | None = None) -> str:
+def _digest(src_fp: str, dst_fp: str, tensors, m: dict, g: dict, tnames: list[str], bnames: list[str]) -> str:
     h = hashlib.sha256()
-    h.update(src.fingerprint().encode())
-    h.update(dst.fingerprint().encode())
+    h.update(src_fp.encode())
+    h.update(dst_fp.encode())
     h.update(("*" if tensors is None else ",".join(sorted(tensors))).encode())
-    for m in messages:
-        h.update(f"{m.src},{m.dst},{m.round},{m.tag},{int(m.send_direct)}{int(m.recv_direct)}{int(m.relay)}".encode())
-        for s in m.segments:
-            h.update(f"|{s.tensor}{s.box}{s.src}{s.dst}{s.dst_piece}".encode())
+    h.update("\0".join(tnames).encode())
+    h.update("\0".join(bnames).encode())
+    for d in (m, g):
+        for k in sorted(d):
+            h.update(k.encode())
+            h.update(np.ascontiguousarray(d[k]).tobytes())
     return h.hexdigest()[:16]

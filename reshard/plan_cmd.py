@@ -6,49 +6,83 @@ import gc
 import json
 import resource
 import sys
+import threading
 import time
-from collections import defaultdict
 
 
-def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0) -> dict:
+def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0, relay: bool = True) -> dict:
+    """Build the two layouts, then time the complete plan (every rank's transfers) cold, in this process."""
     from reshard.common.frameworks import build, model_spec
     from reshard.common.planner import PlanOptions, make_plan
 
     m = model_spec(model)
-    gc.collect()
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     src, dst = build(m, src_spec), build(m, dst_spec)
     t1 = time.perf_counter()
-    plan = make_plan(src, dst, PlanOptions(bucket_bytes=bucket_bytes) if bucket_bytes else PlanOptions())
-    t2 = time.perf_counter()
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    sends = [plan.send_bytes(r) for r in range(src.world)]
-    recvs = [plan.recv_bytes(r) for r in range(dst.world)]
-    relays = [sum(m.nbytes for m in plan.relay_sends.get(r, [])) for r in range(dst.world)]
-    links: dict[tuple[bool, int, int], int] = defaultdict(int)
-    for msg in plan.messages:
-        links[(msg.relay, msg.src, msg.dst)] += msg.nbytes
+    gc.collect()
+    opts = PlanOptions(relay=relay, **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
+    with _PeakRss() as mem:
+        t2 = time.perf_counter()
+        plan = make_plan(src, dst, opts)
+        t3 = time.perf_counter()
+    per = plan.rank_bytes()
+    sends, recvs, relays = per["send"], per["recv"], per["relay"]
+    links = plan.link_bytes()
+    mean_send = int(sends.sum()) // max(1, len(sends))
     return {
         "model": model, "src": src_spec, "dst": dst_spec,
-        "plan_seconds": t2 - t0, "layout_seconds": t1 - t0,
+        "plan_seconds": t3 - t2, "layout_seconds": t1 - t0,
         "num_ranks_src": src.world, "num_ranks_dst": dst.world,
         "num_tensors": len(dst.tensors),
-        "num_transfers": sum(len(msg.segments) for msg in plan.messages),
-        "num_messages": len(plan.messages), "num_rounds": plan.num_rounds,
+        "num_transfers": plan.num_segments,
+        "num_messages": plan.num_messages, "num_rounds": plan.num_rounds,
         "bytes_total": plan.total_bytes,
-        "max_rank_send_bytes": max(sends), "mean_rank_send_bytes": sum(sends) // len(sends),
-        "max_rank_recv_bytes": max(recvs),
+        "max_rank_send_bytes": int(sends.max()), "mean_rank_send_bytes": mean_send,
+        "max_rank_recv_bytes": int(recvs.max()),
         "max_link_bytes": max(links.values(), default=0),
         "trainer_egress_bytes": plan.source_bytes,
-        "trainer_egress_bytes_without_relay": plan.total_bytes,
         "relay_bytes": plan.total_bytes - plan.source_bytes,
-        "max_rank_relay_bytes": max(relays, default=0),
+        "max_rank_relay_bytes": int(relays.max(initial=0)),
         "replicas_fed_by_relay": len(plan.primary_of),
-        "send_imbalance": max(sends) / (sum(sends) / len(sends)) - 1 if sum(sends) else 0.0,
-        "peak_memory_bytes": max(0, rss1 - rss0),
+        "send_imbalance": float(sends.max() / (sends.sum() / len(sends)) - 1) if sends.sum() else 0.0,
+        # The planner's own memory: the peak resident growth while planning (sampled every 2 ms;
+        # the layouts, built before, are not counted), and what the finished plan keeps.
+        "peak_memory_bytes": mem.peak,
+        "plan_memory_bytes": plan.nbytes,
         "digest": plan.digest,
     }
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the lifetime peak is the best there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _PeakRss:
+    """Peak growth of resident memory over a block, sampled by a thread."""
+
+    def __enter__(self) -> _PeakRss:
+        self.base = self.top = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.top = max(self.top, _rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.top = max(self.top, _rss())
+
+    @property
+    def peak(self) -> int:
+        return self.top - self.base
 
 
 def main(a) -> int:

@@ -731,7 +731,10 @@ def test_flat_flag_changes_fingerprint():
     assert back.fingerprint() == flat.fingerprint()
     boxed = Layout(W, ((LocalBuffer("f", (4, 4), "float32", (Piece("w", Box.full((4, 4)), Box.full((4, 4))),)),),))
     assert boxed.fingerprint() != flat.fingerprint()
-    unflagged = Layout.from_json({**flat.to_json(), "ranks": [[{**flat.to_json()["ranks"][0][0],
-                                   "pieces": [["w", [[0], [16]], [[0, 0], [4, 4]]]]}]]})
+    j = flat.to_json()
+    # The older encoding (one entry per rank under "ranks", pieces of three fields) still reads.
+    old = {"tensors": j["tensors"], "allow_casts": j["allow_casts"],
+           "ranks": [[{**j["classes"][0][0], "pieces": [["w", [[0], [16]], [[0, 0], [4, 4]]]]}]]}
+    unflagged = Layout.from_json(old)
     assert unflagged.ranks[0][0].pieces[0].flat is False  # old three-field form reads as boxed
     assert unflagged.fingerprint() != flat.fingerprint()

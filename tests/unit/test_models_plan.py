@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from reshard.common.engine import execute_in_memory
-from reshard.common.layout import LayoutError
+from reshard.common.layout import Layout, LayoutError
 from reshard.common.models import megatron_layout, model_config, vllm_layout
 from reshard.common.planner import PlanOptions, make_plan
 from reshard.common.synth import tensor_value
@@ -93,3 +93,20 @@ def test_digest_is_deterministic_and_balanced():
 def test_incompatible_models_name_first_mismatch():
     with pytest.raises(LayoutError, match="shape mismatch"):
         make_plan(megatron_layout(model_config("tiny"), 2), vllm_layout(model_config("small"), 4))
+
+
+def test_layout_json_shares_replicas_and_keeps_fingerprint():
+    from reshard.common.frameworks import build
+
+    lay = build("tiny", "framework=vllm,tp=2,dp=3")
+    j = lay.to_json()
+    assert len(j["classes"]) == 2 and j["rank_class"] == [0, 1, 0, 1, 0, 1]
+    back = Layout.from_bytes(lay.to_bytes())
+    assert back.ranks[0] is back.ranks[2] and back.ranks[1] is back.ranks[5]
+    assert back == lay and back.fingerprint() == lay.fingerprint()
+    # Equal ranks built as separate objects are still one replica group to the planner.
+    unshared = Layout(lay.tensors, tuple(tuple(b for b in bufs) for bufs in lay.ranks))
+    assert unshared.ranks[0] is not unshared.ranks[2]
+    assert unshared.fingerprint() == lay.fingerprint()
+    plan = make_plan(build("tiny", "framework=megatron,tp=2"), unshared)
+    assert plan.primary_of == {2: 0, 3: 1, 4: 0, 5: 1}
