@@ -427,7 +427,7 @@ def _split_rows(g: dict[str, np.ndarray], limit: np.ndarray) -> dict[str, np.nda
     count[big] = 0
     np.add.at(count, np.array([p[0] for p in parts], dtype=np.int64), 1)
     idx = np.repeat(np.arange(len(numel)), count)  # sub-rows of a row are consecutive, in split order
-    out = {k: v[idx] for k, v in g.items()}
+    out = {k: g.pop(k)[idx] for k in list(g)}
     pos = np.flatnonzero(np.isin(idx, big))
     rel = np.zeros((len(parts), D), dtype=np.int64)
     sub_size = np.ones((len(parts), D), dtype=np.int64)
@@ -483,7 +483,7 @@ def _messages(g: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOpti
     order = order[o2]
     first, nb_s, sd, rd, pair_id = first[o2], nb_s[o2], sd[o2], rd[o2], pair_id[o2]
     ps_o, pd_o = g["ps"][order], g["pd"][order]
-    g = {k: g[k][order] for k in SEG_KEYS}
+    g = {k: g.pop(k)[order] for k in SEG_KEYS}
     mstart = _group_starts([first]) if n else np.zeros(0, dtype=bool)
     lo = np.flatnonzero(mstart)
     hi = np.append(lo[1:], n)
@@ -635,6 +635,7 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
         "piece": T.p_index[prow], "sdt": S.buf_dtype[S.p_buf[srow]], "ddt": T.buf_dtype[T.p_buf[prow]],
         "ps": srank, "pd": drank,
     }
+    del ilo, isize, inumel, pair_b, pair_d, prow, srow, srank, drank, reps, pcls, nbytes, ihi, hit, covered  # the columns own them now
     g, m = _messages(g, name_rank, options, bucket)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
@@ -667,7 +668,8 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
                 msg_parts.append(lm)
             seg_parts.append(rg)
             nseg += len(rg["tensor"])
-    G = {k: np.concatenate([p[k] for p in seg_parts]) for k in SEG_KEYS}
+    G = {k: np.concatenate([p.pop(k) for p in seg_parts]) if len(seg_parts) > 1 else seg_parts[0][k] for k in SEG_KEYS}
+    del g, seg_parts
     Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
     order = np.lexsort((Mm["tag"], Mm["dst"], Mm["src"], Mm["relay"], Mm["round"]))
     Mm = {k: v[order] for k, v in Mm.items()}
