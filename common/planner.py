@@ -729,6 +729,10 @@ def _contig_rows(shape: np.ndarray) -> np.ndarray:
     return out
 
 
+_WATERFILL_MAX = 4_000_000
+"""Largest candidate table for placing a group of equal transfers at once (else one at a time)."""
+
+
 def _assign(nbytes: np.ndarray, hs: np.ndarray, drank: np.ndarray, hs_ranks: list[np.ndarray], world: int) -> np.ndarray:
     """Greedy largest-first assignment of transfers to the least-loaded rank of their holder set.
 
@@ -751,7 +755,7 @@ def _assign(nbytes: np.ndarray, hs: np.ndarray, drank: np.ndarray, hs_ranks: lis
             continue
         L = load[h]
         per = min(cnt, -(-cnt // k) + int((L.max() - L.min()) // max(s, 1)) + 1)
-        if k * per <= 4_000_000:
+        if k * per <= _WATERFILL_MAX:
             val = L[:, None] + s * np.arange(per)[None, :]
             j = np.broadcast_to(np.arange(k)[:, None], val.shape)
             flat = np.lexsort((j.ravel(), val.ravel()))[:cnt]

@@ -642,3 +642,37 @@ def test_next_fit_paths_agree(data):
             members = idx[a[idx] == bnum]
             if len(members) > 1:
                 assert w1[members].sum() <= 150 and w2[members].sum() <= 120
+
+
+@given(data=st.data())
+def test_replica_assignment_paths_agree(data):
+    """Equal transfers are placed by a candidate table, or one at a time when the table would be
+    huge: both are the greedy least-loaded choice, and it matches a plain greedy loop."""
+    import numpy as np
+
+    import reshard.common.planner as planner
+
+    world = data.draw(st.integers(2, 6))
+    sets = [np.array(sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world))), dtype=np.int64)
+            for _ in range(data.draw(st.integers(1, 3)))]
+    n = data.draw(st.integers(1, 60))
+    nbytes = np.array(data.draw(st.lists(st.sampled_from([64, 128, 4096]), min_size=n, max_size=n)), dtype=np.int64)
+    hs = np.array(data.draw(st.lists(st.integers(0, len(sets) - 1), min_size=n, max_size=n)), dtype=np.int64)
+    drank = np.array(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)), dtype=np.int64)
+    a = planner._assign(nbytes, hs, drank, sets, world)
+    old = planner._WATERFILL_MAX
+    planner._WATERFILL_MAX = 0
+    try:
+        b = planner._assign(nbytes, hs, drank, sets, world)
+    finally:
+        planner._WATERFILL_MAX = old
+    assert a.tolist() == b.tolist()
+    # Plain greedy, in the same order (largest first, then holder set, destination, index).
+    load = [0] * world
+    want = [0] * n
+    for i in sorted(range(n), key=lambda i: (-nbytes[i], hs[i], drank[i], i)):
+        h = sets[hs[i]].tolist()
+        r = min(h, key=lambda x: (load[x], h.index(x)))
+        want[i] = r
+        load[r] += int(nbytes[i])
+    assert a.tolist() == want
