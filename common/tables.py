@@ -170,10 +170,13 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     rows[:, 1] = p_idx
     rows[:, 2] = p_bufi
     rows[:, 3] = p_flat_l
+    del p_tens, p_idx, p_bufi, p_flat_l
     roff, rsize = _pad(r_off, D, 0), _pad(r_size, D, 1)
-    rndim = np.array([len(s) for s in r_size], dtype=np.int64)
+    rndim = np.fromiter(map(len, r_size), dtype=np.int64, count=len(r_size))
+    del r_off, r_size
     off, size = _pad(x_off, D, 0), _pad(x_size, D, 1)
-    ndim = np.array([len(s) for s in x_size], dtype=np.int64)
+    ndim = np.fromiter(map(len, x_size), dtype=np.int64, count=len(x_size))
+    del x_off, x_size
     b_class_a = np.array(b_class, dtype=np.int64)
     b_name_a = np.array(b_name, dtype=np.int64)
     b_dtype_a = np.array(b_dtype, dtype=np.int64)
@@ -181,15 +184,24 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     # Merge id-classes with equal content: a digest of their columns finds candidates, == decides.
     canon = list(range(len(firsts)))
     if len(firsts) > 1:
-        seen: dict[bytes, int] = {}
+        seen: dict[bytes, list[int]] = {}
         for c in range(len(firsts)):
             p0, p1, b0, b1 = p_first[c], p_first[c + 1], b_first[c], b_first[c + 1]
+            # Both ends of the class (dense layers lead, experts trail): a cheap key; equal keys
+            # are compared in full.
             h = hashlib.blake2b(digest_size=16)
-            for a in (rows[p0:p1, :2], off[p0:p1], size[p0:p1], b_name_a[b0:b1], bshape[b0:b1]):
-                h.update(np.ascontiguousarray(a))
-            c0 = seen.setdefault(h.digest(), c)
-            if c0 != c and firsts[c0] == firsts[c]:
-                canon[c] = c0
+            h.update(np.array([p1 - p0, b1 - b0], dtype=np.int64))
+            for lo_, hi_ in ((p0, min(p1, p0 + 64)), (max(p0, p1 - 64), p1)):
+                for a in (rows[lo_:hi_, :2], off[lo_:hi_], size[lo_:hi_]):
+                    h.update(np.ascontiguousarray(a))
+            h.update(np.ascontiguousarray(b_name_a[b0:b1]))
+            reps = seen.setdefault(h.digest(), [])
+            for c0 in reps:
+                if firsts[c0] == firsts[c]:
+                    canon[c] = c0
+                    break
+            else:
+                reps.append(c)
     keep_cls = np.array([canon[c] == c for c in range(len(firsts))], dtype=bool)
     new_id = np.cumsum(keep_cls) - 1
     rank_class = new_id[np.array([canon[c] for c in id_class], dtype=np.int64)] if id_class else np.zeros(0, np.int64)
