@@ -27,19 +27,23 @@ DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
 ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
 
 
-def _pad(rows: list[tuple], n: int, fill: int) -> np.ndarray:
+def _pad(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = None) -> np.ndarray:
     """Tuples of length <= n as an (len, n) int64 array, right-filled with `fill`."""
-    out = np.full((len(rows), n), fill, dtype=np.int64)
-    if not rows:
-        return out
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    if lens is None:
+        lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     total = int(lens.sum())
     flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
     if total == n * len(rows):
         return flat.reshape(len(rows), n)
-    row = np.repeat(np.arange(len(rows)), lens)
-    col = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    out[row, col] = flat
+    out = np.empty((len(rows), n), dtype=np.int64)
+    out.fill(fill)
+    ends = np.cumsum(lens)
+    for k in range(1, n + 1):
+        # Rows of length k: their values sit at ends-k .. ends-1 of the flat run.
+        sel = np.flatnonzero(lens == k)
+        if sel.size:
+            base = ends[sel] - k
+            out[sel, :k] = flat[base[:, None] + np.arange(k)[None, :]]
     return out
 
 
@@ -96,14 +100,14 @@ class LayoutTable:
 
     def fingerprint(self) -> str:
         """A digest of the layout's content, equal for equal layouts however they were built."""
-        h = hashlib.blake2b(digest_size=16)
+        h = hashlib.sha256()
         h.update(repr((self.layout.allow_casts, self.tensor_names)).encode())
         h.update("\0".join(b.name for b in self.buf_obj).encode())
         h.update(repr([(i, b.padding) for i, b in enumerate(self.buf_obj) if b.padding]).encode())
         for a in (self.tensor_shape, self.tensor_dtype, self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape,
                   self.p_tensor, self.p_index, self.p_buf, self.p_flat, self.p_off, self.p_size, self.p_start, self.p_strides):
             h.update(np.ascontiguousarray(a))
-        return h.hexdigest()
+        return h.hexdigest()[:32]
 
 
 def build_table(layout: Layout, names: dict[str, int], side: str = "layout", require_full_buffers: bool = True,
@@ -132,8 +136,8 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     b_first, p_first = [], []
     dt_ids = DTYPE_IDS
     p_tens: list[str] = []
-    p_idx: list[int] = []
-    p_bufi: list[int] = []
+    p_idx: list[np.ndarray] = []
+    p_bufi: list[np.ndarray] = []
     p_flat_l: list[bool] = []
     for c, bufs in enumerate(firsts):
         b_first.append(len(b_obj))
@@ -145,9 +149,10 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
         b_dtype.extend([dt_ids.get(b.dtype, -1) for b in bufs])
         b_shape.extend([b.shape for b in bufs])
         allp = [p for b in bufs for p in b.pieces]
+        counts = np.fromiter(map(len, (b.pieces for b in bufs)), dtype=np.int64, count=len(bufs))
         p_tens.extend([p.tensor for p in allp])
-        p_idx.extend([i for b in bufs for i in range(len(b.pieces))])
-        p_bufi.extend([base + k for k, b in enumerate(bufs) for _ in b.pieces])
+        p_idx.append(np.arange(len(allp)) - np.repeat(np.cumsum(counts) - counts, counts))
+        p_bufi.append(np.repeat(np.arange(base, base + len(bufs)), counts))
         p_flat_l.extend([p.flat for p in allp])
         regions = [p.region for p in allp]
         boxes = [p.box for p in allp]
@@ -157,8 +162,9 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
         x_size.extend([b.size for b in boxes])
     b_first.append(len(b_obj))
     p_first.append(len(p_tens))
-    D = max([1] + [len(s.shape) for s in specs] + [len(s) for s in b_shape] + [len(s) for s in x_size]
-            + [len(s) for s in r_size])
+    rndim = np.fromiter(map(len, r_size), dtype=np.int64, count=len(r_size))
+    ndim = np.fromiter(map(len, x_size), dtype=np.int64, count=len(x_size))
+    D = max([1] + [len(s.shape) for s in specs] + [len(s) for s in b_shape] + [int(rndim.max(initial=0)), int(ndim.max(initial=0))])
 
     t_shape = _pad([s.shape for s in specs], D, 1)
     t_ndim = np.array([len(s.shape) for s in specs], dtype=np.int64)
@@ -166,16 +172,14 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     bshape = _pad(b_shape, D, 1)
     bndim = np.array([len(s) for s in b_shape], dtype=np.int64)
     rows = np.empty((len(p_tens), 4), dtype=np.int64)
-    rows[:, 0] = [tid.get(t, -1) for t in p_tens]
-    rows[:, 1] = p_idx
-    rows[:, 2] = p_bufi
+    rows[:, 0] = np.fromiter(map(tid.get, p_tens, itertools.repeat(-1)), dtype=np.int64, count=len(p_tens))
+    rows[:, 1] = np.concatenate(p_idx) if p_idx else 0
+    rows[:, 2] = np.concatenate(p_bufi) if p_bufi else 0
     rows[:, 3] = p_flat_l
     del p_tens, p_idx, p_bufi, p_flat_l
-    roff, rsize = _pad(r_off, D, 0), _pad(r_size, D, 1)
-    rndim = np.fromiter(map(len, r_size), dtype=np.int64, count=len(r_size))
+    roff, rsize = _pad(r_off, D, 0, rndim), _pad(r_size, D, 1, rndim)
     del r_off, r_size
-    off, size = _pad(x_off, D, 0), _pad(x_size, D, 1)
-    ndim = np.fromiter(map(len, x_size), dtype=np.int64, count=len(x_size))
+    off, size = _pad(x_off, D, 0, ndim), _pad(x_size, D, 1, ndim)
     del x_off, x_size
     b_class_a = np.array(b_class, dtype=np.int64)
     b_name_a = np.array(b_name, dtype=np.int64)
@@ -189,7 +193,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
             p0, p1, b0, b1 = p_first[c], p_first[c + 1], b_first[c], b_first[c + 1]
             # Both ends of the class (dense layers lead, experts trail): a cheap key; equal keys
             # are compared in full.
-            h = hashlib.blake2b(digest_size=16)
+            h = hashlib.sha256()
             h.update(np.array([p1 - p0, b1 - b0], dtype=np.int64))
             for lo_, hi_ in ((p0, min(p1, p0 + 64)), (max(p0, p1 - 64), p1)):
                 for a in (rows[lo_:hi_, :2], off[lo_:hi_], size[lo_:hi_]):

@@ -738,3 +738,12 @@ def test_flat_flag_changes_fingerprint():
     unflagged = Layout.from_json(old)
     assert unflagged.ranks[0][0].pieces[0].flat is False  # old three-field form reads as boxed
     assert unflagged.fingerprint() != flat.fingerprint()
+
+
+def test_table_padding_of_mixed_ranks():
+    """Boxes of several ranks land in one table, right-filled (offset 0, size 1)."""
+    from reshard.common.tables import _pad
+
+    rows = [(3,), (1, 2), (), (4, 5, 6), (7,)]
+    assert _pad(rows, 3, 1).tolist() == [[3, 1, 1], [1, 2, 1], [1, 1, 1], [4, 5, 6], [7, 1, 1]]
+    assert _pad([(1, 2), (3, 4)], 2, 0).tolist() == [[1, 2], [3, 4]]
