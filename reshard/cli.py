@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", type=_layout_spec, required=True, help="e.g. framework=megatron,tp=1,pp=4,dp=32,ep=16")
     p.add_argument("--dst", type=_layout_spec, required=True, help="e.g. framework=vllm,tp=8,dp=16")
     p.add_argument("--bucket-bytes", type=int, default=0)
+    p.add_argument("--no-relay", action="store_true", help="plan every replica from the trainer (no replica relays)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("doctor", help="what the data plane can use here: torch, CUDA, NCCL library and version, gloo")

@@ -87,7 +87,7 @@ class _PeakRss:
 
 def main(a) -> int:
     try:
-        fig = plan_figures(a.model, a.src, a.dst, a.bucket_bytes)
+        fig = plan_figures(a.model, a.src, a.dst, a.bucket_bytes, relay=not getattr(a, "no_relay", False))
     except ValueError as e:
         print(f"plan failed: {e}", file=sys.stderr)
         return 2
