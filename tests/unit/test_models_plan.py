@@ -110,3 +110,24 @@ def test_layout_json_shares_replicas_and_keeps_fingerprint():
     assert unshared.fingerprint() == lay.fingerprint()
     plan = make_plan(build("tiny", "framework=megatron,tp=2"), unshared)
     assert plan.primary_of == {2: 0, 3: 1, 4: 0, 5: 1}
+
+
+def test_message_table_matches_messages():
+    from reshard.common.frameworks import build
+
+    plan = make_plan(build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=2"),
+                     PlanOptions(bucket_bytes=4096, direct_min_bytes=1024, max_message_bytes=8192))
+    t = plan.message_table()
+    msgs = plan.messages
+    assert [(m.src, m.dst, m.round, m.tag, m.nbytes, m.relay, len(m.segments)) for m in msgs] == list(
+        zip(t["src"].tolist(), t["dst"].tolist(), t["round"].tolist(), t["tag"].tolist(), t["nbytes"].tolist(),
+            t["relay"].tolist(), t["segments"].tolist()))
+    assert t["relay"].any() and not t["src"].flags.writeable
+    assert plan.link_bytes() == {k: v for k, v in _links(msgs).items()}
+
+
+def _links(msgs):
+    out = {}
+    for m in msgs:
+        out[(m.relay, m.src, m.dst)] = out.get((m.relay, m.src, m.dst), 0) + m.nbytes
+    return out
