@@ -94,16 +94,6 @@ class Segment:
     def dst_buffer(self) -> str:
         return self.dst.buffer
 
-    def message_table(self) -> dict[str, np.ndarray]:
-        """Every message as columns (read-only views): src, dst, round, tag, nbytes, relay, sd
-        (sent from storage), rd (received into storage), segments (count). For whole-plan
-        figures at scale, where materializing `messages` would be slow."""
-        out = {k: self._m[k].view() for k in ("src", "dst", "round", "tag", "nbytes", "relay", "sd", "rd")}
-        out["segments"] = self._m["hi"] - self._m["lo"]
-        for v in out.values():
-            v.flags.writeable = False
-        return out
-
     @property
     def nbytes(self) -> int:
         return self.box.numel * itemsize(self.dst_dtype)
@@ -249,6 +239,16 @@ class Plan:
     def messages(self) -> list[Message]:
         """Every message (materialized: meant for small plans and tests)."""
         return [self._message(i) for i in range(len(self._m["src"]))]
+
+    def message_table(self) -> dict[str, np.ndarray]:
+        """Every message as columns (read-only views): src, dst, round, tag, nbytes, relay, sd
+        (sent from storage), rd (received into storage), segments (count). For whole-plan
+        figures at scale, where materializing `messages` would be slow."""
+        out = {k: self._m[k].view() for k in ("src", "dst", "round", "tag", "nbytes", "relay", "sd", "rd")}
+        out["segments"] = self._m["hi"] - self._m["lo"]
+        for v in out.values():
+            v.flags.writeable = False
+        return out
 
     @property
     def nbytes(self) -> int:
