@@ -66,7 +66,7 @@ class RankBench:
     receive buffers and their expected contents on inference ranks) and the methods."""
 
     def __init__(self, transport: Transport, side: str, index: int, src: Layout, dst: Layout, plan: Plan,
-                 seed: int = 0, bucket_bytes: int = 256 << 20) -> None:
+                 seed: int = 0, bucket_bytes: int = 256 << 20, filled: dict[str, torch.Tensor] | None = None) -> None:
         self.t, self.side, self.index = transport, side, index
         self.src, self.dst, self.plan = src, dst, plan
         self.S, self.D = src.world, dst.world
@@ -74,9 +74,12 @@ class RankBench:
         layout = src if side == "src" else dst
         self.descs = {b.name: b for b in layout.ranks[index]}
         self.shapes = {n: t.shape for n, t in layout.tensors.items()}
-        self.buffers = {n: torch.empty(b.shape, dtype=dtype_of(b.dtype)) for n, b in self.descs.items()}
         self.expected: dict[str, torch.Tensor] = {}
-        if side == "src":
+        if filled is not None:  # a trainer rank's weights, already made for this source layout
+            self.buffers = filled
+        else:
+            self.buffers = {n: torch.empty(b.shape, dtype=dtype_of(b.dtype)) for n, b in self.descs.items()}
+        if side == "src" and filled is None:
             self._fill(self.buffers)
         else:
             self.expected = {n: torch.empty_like(t) for n, t in self.buffers.items()}
@@ -85,8 +88,16 @@ class RankBench:
             self._fill(self.expected)
         self.pools = {m: StagingPool() for m in METHODS}
         self._owner_items = _owner_items(src)
-        self._ceiling_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._bcast: dict = {}
+        # The ceiling's plain buffers, made before any timing: this rank's sends hold its pattern.
+        S = self.S
+        if side == "src":
+            self._ceiling_msgs = (plan.sends.get(index, []), [])
+        else:
+            self._ceiling_msgs = (plan.relay_sends.get(index, []), plan.recvs.get(index, []))
+        me = index if side == "src" else S + index
+        self._ceiling_bufs = (pattern(me, sum(m.wire_bytes for m in self._ceiling_msgs[0])),
+                              torch.empty(sum(m.wire_bytes for m in self._ceiling_msgs[1]), dtype=torch.uint8))
 
     def _fill(self, bufs: dict[str, torch.Tensor]) -> None:
         layout = self.src if self.side == "src" else self.dst
@@ -100,6 +111,7 @@ class RankBench:
         if self.side == "dst":
             for t in self.buffers.values():
                 t.view(-1).view(torch.uint8).fill_(SENTINEL)
+            self._ceiling_bufs[1].fill_(SENTINEL)
 
     def received_exact(self) -> bool:
         """Bit-exact comparison of everything received with an independent regeneration."""
@@ -211,14 +223,8 @@ class RankBench:
         return Outcome(bytes=received, extra_bytes=sum(t.numel() for t in scratch.values()))
 
     def _ceiling(self, deadline: float) -> Outcome:
-        S, plan = self.S, self.plan
-        if self.side == "src":
-            sends, recvs, me = plan.sends.get(self.index, []), [], self.index
-        else:
-            sends, recvs, me = plan.relay_sends.get(self.index, []), plan.recvs.get(self.index, []), S + self.index
-        if self._ceiling_bufs is None:
-            self._ceiling_bufs = (pattern(me, sum(m.wire_bytes for m in sends)),
-                                  torch.empty(sum(m.wire_bytes for m in recvs), dtype=torch.uint8))
+        S = self.S
+        sends, recvs = self._ceiling_msgs
         sbuf, rbuf = self._ceiling_bufs
         by_round: dict[int, list] = defaultdict(list)
         pos = 0
@@ -235,7 +241,7 @@ class RankBench:
 
     def ceiling_exact(self) -> bool:
         """Every received ceiling message holds the bytes its sender's pattern puts at that offset."""
-        if self.side != "dst" or self._ceiling_bufs is None:
+        if self.side != "dst":
             return True
         S = self.S
         offsets: dict[tuple, int] = {}
@@ -249,17 +255,33 @@ class RankBench:
         for m in self.plan.recvs.get(self.index, []):
             sender = S + m.src if m.relay else m.src
             start = offsets[(m.relay, m.src, m.dst, m.round, m.tag)]
-            want = pattern(sender, m.wire_bytes, start)
-            if not torch.equal(rbuf[pos : pos + m.wire_bytes], want):
+            if not matches_pattern(rbuf[pos : pos + m.wire_bytes], sender, start):
                 return False
             pos += m.wire_bytes
         return True
 
 
-def pattern(rank: int, n: int, start: int = 0) -> torch.Tensor:
-    """The bytes a ceiling sender holds: a function of its rank and the byte offset."""
+_CHUNK = 1 << 22
+
+
+def _pattern_chunk(rank: int, start: int, n: int) -> torch.Tensor:
     i = torch.arange(start, start + n, dtype=torch.int64)
     return ((i * 7 + (i >> 8) * 3 + rank * 13) & 0xFF).to(torch.uint8)
+
+
+def pattern(rank: int, n: int, start: int = 0) -> torch.Tensor:
+    """The bytes a ceiling sender holds: a function of its rank and the byte offset
+    (made a few MiB at a time, to keep the temporaries small)."""
+    out = torch.empty(n, dtype=torch.uint8)
+    for pos in range(0, n, _CHUNK):
+        k = min(_CHUNK, n - pos)
+        out[pos : pos + k] = _pattern_chunk(rank, start + pos, k)
+    return out
+
+
+def matches_pattern(got: torch.Tensor, rank: int, start: int) -> bool:
+    return all(torch.equal(got[pos : pos + _CHUNK], _pattern_chunk(rank, start + pos, min(_CHUNK, got.numel() - pos)))
+               for pos in range(0, got.numel(), _CHUNK))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -91,12 +91,18 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, quick: bool
 def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: list[dict], opts: dict, q) -> None:
     """One rank of the bench: calibration, then every layout pair it takes part in."""
     try:
+        import torch
+
+        # One intra-op thread per rank, as the standalone workers run: with several ranks per core,
+        # torch's thread pool turns every copy into contention (50x slower packing here).
+        torch.set_num_threads(1)
         from reshard.common import bench_methods as bm
         from reshard.common.frameworks import build
         from reshard.common.planner import PlanOptions, make_plan
         from reshard.common.transport import GlooTransport
 
         _calibrate(g, world, host, port, nonce, opts["quick"], q)
+        weights: tuple[tuple, dict] | None = None  # a trainer rank's filled buffers, reused while (model, src) holds
         for ci, cfg in enumerate(configs):
             S, D = cfg["S"], cfg["D"]
             if g >= S + D:
@@ -108,7 +114,12 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
             t = GlooTransport(host, port, f"{nonce}-c{ci}", g, S + D, TIMEOUT_S)
             ctl = _control_group(host, port, f"bench/{nonce}/c{ci}/ctl", g, S + D)
             bucket = _bucket(opts["bucket_bytes"], sum(x.nbytes for x in dst.tensors.values()))
-            rb = bm.RankBench(t, side, index, src, dst, plan, seed=opts["seed"], bucket_bytes=bucket)
+            key = (cfg["model"], cfg["src"], g)
+            filled = weights[1] if (side == "src" and weights and weights[0] == key) else None
+            weights = None
+            rb = bm.RankBench(t, side, index, src, dst, plan, seed=opts["seed"], bucket_bytes=bucket, filled=filled)
+            if side == "src":
+                weights = (key, rb.buffers)
             ctl.barrier().wait()
             if g == 0:
                 q.put(("ready", ci, time.monotonic() - t_setup))
@@ -215,6 +226,7 @@ def run_bench(a) -> int:
         print(msg, file=log, flush=True)
 
     host = "127.0.0.1"
+    load0 = os.getloadavg()
     store = TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False)
     port = store.port
     nonce = secrets.token_hex(4)
@@ -277,6 +289,7 @@ def run_bench(a) -> int:
     for p in procs:
         p.join(30)
     results = _summarize(configs, runs, cal, a, say)
+    results["machine"]["load_average_start_end"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
     if a.json:
         print(json.dumps(results, indent=2))
     else:
