@@ -550,7 +550,59 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     if tensors is not None:
         subset = np.array([n in tensors for n in T.tensor_names], dtype=bool)
 
-    # -- distinct source boxes, each with the classes (and so the ranks) holding it -----------
+    rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks = _source_boxes(S, src, D, s2d, s_off, s_size, t_shape,
+                                                                               T.tensor_names)
+    primary = np.array([r[0] for r in T.class_ranks], dtype=np.int64)
+    dp_rows = np.flatnonzero((T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True))
+    inter = _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary)
+    g = _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_ranks, *inter, primary, s_off, s_strides,
+                          d_off, d_strides)
+    del inter, rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks, dp_rows
+    g, m = _messages(g, name_rank, options, bucket)
+    m["relay"] = np.zeros(len(m["src"]), dtype=bool)
+    num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
+
+    # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
+    primary_of: dict[int, int] = {}
+    seg_parts, msg_parts = [g], [m]
+    nseg = len(g["tensor"])
+    if options.relay:
+        for c, ranks in enumerate(T.class_ranks):
+            if len(ranks) < 2:
+                continue
+            for r in ranks[1:]:
+                primary_of[r] = ranks[0]
+            rg = _relay_segments(T, c, subset, D)
+            if not len(rg["tensor"]):
+                continue
+            rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+            rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+            rg, rm = _messages(rg, name_rank, options, bucket)
+            # Link k of a chain runs one round behind link k-1: message j leaves a replica the
+            # round after it arrived there, so every link carries the data once, pipelined.
+            for k in range(len(ranks) - 1):
+                lm = dict(rm)
+                lm["src"] = np.full(len(rm["src"]), ranks[k], dtype=np.int64)
+                lm["dst"] = np.full(len(rm["src"]), ranks[k + 1], dtype=np.int64)
+                lm["round"] = rm["round"] + num_rounds + k
+                lm["lo"], lm["hi"] = rm["lo"] + nseg, rm["hi"] + nseg
+                lm["relay"] = np.ones(len(rm["src"]), dtype=bool)
+                msg_parts.append(lm)
+            seg_parts.append(rg)
+            nseg += len(rg["tensor"])
+    G = {k: np.concatenate([p.pop(k) for p in seg_parts]) if len(seg_parts) > 1 else seg_parts[0][k] for k in SEG_KEYS}
+    del g, seg_parts
+    Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
+    order = np.lexsort((Mm["tag"], Mm["dst"], Mm["src"], Mm["relay"], Mm["round"]))
+    Mm = {k: v[order] for k, v in Mm.items()}
+    num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
+    digest = _digest(S.fingerprint(), T.fingerprint(), tensors, Mm, G, T.tensor_names, buffer_names)
+    return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset)
+
+
+def _source_boxes(S, src, D, s2d, s_off, s_size, t_shape, tnames):
+    """Distinct source boxes (tensor in destination numbering, box), each with the classes holding it;
+    holder sets interned (one class: its ranks; several: their union)."""
     st = s2d[S.p_tensor]
     rows = np.flatnonzero((S.p_numel > 0) & (st >= 0))
     cls = S.buf_class[S.p_buf[rows]]
@@ -564,7 +616,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     b_count = np.diff(np.append(b_first, len(rows)))
     b_row = rows[b_first]                       # a representative piece row per distinct box
     b_t, b_off, b_size = st[b_row], s_off[b_row], s_size[b_row]
-    _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, T.tensor_names)
+    _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tnames)
     # Holder sets: one class -> that class's ranks; several -> their union, interned.
     nclass = S.num_classes
     hs = cls[b_first].copy()
@@ -577,12 +629,11 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
             h = multi[key] = nclass + len(multi)
             hs_ranks.append(np.sort(np.concatenate([hs_ranks[c] for c in key])))
         hs[b] = h
-    # The piece row holding box b on rank r: rank -> class -> row among the box's rows.
-    # (kept as the box's rows sorted by class, searched per assignment below)
+    return rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks
 
-    # -- destination pieces x source boxes ------------------------------------------------------
-    primary = np.array([r[0] for r in T.class_ranks], dtype=np.int64)
-    dp_rows = np.flatnonzero((T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True))
+
+def _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary):
+    """Every (destination piece x source box) intersection, checked to cover each piece."""
     # Candidate boxes per destination piece: each tensor's source boxes are searched along the
     # first dimension on which they are disjoint (only the boxes overlapping the piece there);
     # a tensor with no such dimension offers all of its boxes.
@@ -633,8 +684,13 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
         raise LayoutError(
             f"tensor {p.tensor!r}: destination rank {int(primary[T.buf_class[T.p_buf[r]]])} buffer {buf.name!r} needs box "
             f"{p.box}, but the source layout covers only {int(covered[gap[0]])} of its {p.box.numel} elements (coverage gap)")
+    return pair_b, prow, ilo, isize, inumel
 
-    # -- receivers: each class's primary (replicas get relays), or every rank without relays ----
+
+def _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_ranks, pair_b, prow, ilo, isize, inumel,
+                      primary, s_off, s_strides, d_off, d_strides) -> dict[str, np.ndarray]:
+    """Receivers (each class's primary, or every rank without relays), one source replica per
+    transfer, and the segment columns."""
     pcls = T.buf_class[T.p_buf[prow]]
     if options.relay:
         drank = primary[pcls]
@@ -650,7 +706,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     srank = _assign(nbytes, hs[pair_b], drank, hs_ranks, src.world)
     # The piece row of box b held by srank.
     srow = _holder_rows(S, rows, b_first, b_count, pair_b, srank)
-    g = {
+    return {
         "tensor": T.p_tensor[prow], "off": ilo, "size": isize, "ndim": T.p_ndim[prow],
         "sbuf": S.buf_name[S.p_buf[srow]], "sstart": S.p_start[srow] + ((ilo - s_off[srow]) * s_strides[srow]).sum(axis=1),
         "sstrides": s_strides[srow], "dbuf": T.buf_name[T.p_buf[prow]],
@@ -658,47 +714,6 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
         "piece": T.p_index[prow], "sdt": S.buf_dtype[S.p_buf[srow]], "ddt": T.buf_dtype[T.p_buf[prow]],
         "ps": srank, "pd": drank,
     }
-    del ilo, isize, inumel, pair_b, pair_d, prow, srow, srank, drank, reps, pcls, nbytes, ihi, hit, covered  # the columns own them now
-    g, m = _messages(g, name_rank, options, bucket)
-    m["relay"] = np.zeros(len(m["src"]), dtype=bool)
-    num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
-
-    # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
-    primary_of: dict[int, int] = {}
-    seg_parts, msg_parts = [g], [m]
-    nseg = len(g["tensor"])
-    if options.relay:
-        for c, ranks in enumerate(T.class_ranks):
-            if len(ranks) < 2:
-                continue
-            for r in ranks[1:]:
-                primary_of[r] = ranks[0]
-            rg = _relay_segments(T, c, subset, D)
-            if not len(rg["tensor"]):
-                continue
-            rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-            rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-            rg, rm = _messages(rg, name_rank, options, bucket)
-            # Link k of a chain runs one round behind link k-1: message j leaves a replica the
-            # round after it arrived there, so every link carries the data once, pipelined.
-            for k in range(len(ranks) - 1):
-                lm = dict(rm)
-                lm["src"] = np.full(len(rm["src"]), ranks[k], dtype=np.int64)
-                lm["dst"] = np.full(len(rm["src"]), ranks[k + 1], dtype=np.int64)
-                lm["round"] = rm["round"] + num_rounds + k
-                lm["lo"], lm["hi"] = rm["lo"] + nseg, rm["hi"] + nseg
-                lm["relay"] = np.ones(len(rm["src"]), dtype=bool)
-                msg_parts.append(lm)
-            seg_parts.append(rg)
-            nseg += len(rg["tensor"])
-    G = {k: np.concatenate([p.pop(k) for p in seg_parts]) if len(seg_parts) > 1 else seg_parts[0][k] for k in SEG_KEYS}
-    del g, seg_parts
-    Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
-    order = np.lexsort((Mm["tag"], Mm["dst"], Mm["src"], Mm["relay"], Mm["round"]))
-    Mm = {k: v[order] for k, v in Mm.items()}
-    num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
-    digest = _digest(S.fingerprint(), T.fingerprint(), tensors, Mm, G, T.tensor_names, buffer_names)
-    return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset)
 
 
 def _widen(a: np.ndarray, D: int, fill: int) -> np.ndarray:
