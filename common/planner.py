@@ -241,11 +241,17 @@ class Plan:
         return [self._message(i) for i in range(len(self._m["src"]))]
 
     def message_table(self) -> dict[str, np.ndarray]:
-        """Every message as columns (read-only views): src, dst, round, tag, nbytes, relay, sd
-        (sent from storage), rd (received into storage), segments (count). For whole-plan
+        """Every message as columns (read-only): src, dst, round, tag, nbytes, wire_bytes, relay,
+        sd (sent from storage), rd (received into storage), segments (count). For whole-plan
         figures at scale, where materializing `messages` would be slow."""
-        out = {k: self._m[k].view() for k in ("src", "dst", "round", "tag", "nbytes", "relay", "sd", "rd")}
-        out["segments"] = self._m["hi"] - self._m["lo"]
+        m, g = self._m, self._g
+        out = {k: m[k].view() for k in ("src", "dst", "round", "tag", "nbytes", "relay", "sd", "rd")}
+        out["segments"] = m["hi"] - m["lo"]
+        # Bytes on the wire: the packed (aligned) size, or the bare bytes when either end is direct.
+        seg_bytes = g["size"].prod(axis=1) * ITEMSIZE[g["ddt"]]
+        aligned = np.concatenate(([0], np.cumsum(_align_arr(seg_bytes))))
+        staged = aligned[m["hi"]] - aligned[m["lo"]]
+        out["wire_bytes"] = np.where(m["sd"] | m["rd"], m["nbytes"], staged)
         for v in out.values():
             v.flags.writeable = False
         return out

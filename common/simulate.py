@@ -36,6 +36,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 
+import numpy as np
+
 from .layout import Layout
 from .planner import Plan, Side
 
@@ -254,7 +256,9 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True) 
     `copies=False` leaves out packing (the raw ceiling: plain buffers)."""
     S = plan.src_world
     src, relay = Phase("source"), Phase("relay")
-    for m in plan.messages:
+    if weight is None:
+        _table_traffic(plan, src, relay, copies)
+    for m in (plan.messages if weight is not None else ()):
         w = _message_weight(m, weight)
         a = S + m.src if m.relay else m.src
         b = S + m.dst
@@ -272,6 +276,35 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True) 
     depth = _relay_depth(plan)
     relay.fill_steps = max(0, depth - 1)
     return [p for p in (src, relay) if p.links]
+
+
+def _table_traffic(plan: Plan, src: Phase, relay: Phase, copies: bool) -> None:
+    """plan_traffic from the plan's columns (no Message objects): same sums, at any scale."""
+    t = plan.message_table()
+    S = plan.src_world
+    a = np.where(t["relay"], S + t["src"], t["src"])
+    b = S + t["dst"]
+    for ph, sel in ((src, ~t["relay"]), (relay, t["relay"])):
+        if not sel.any():
+            continue
+        key = np.stack([a[sel], b[sel]], axis=1)
+        uniq, inv = np.unique(key, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        wire = np.bincount(inv, weights=t["wire_bytes"][sel], minlength=len(uniq))
+        count = np.bincount(inv, minlength=len(uniq))
+        for (x, y), w, c in zip(uniq.tolist(), wire.tolist(), count.tolist()):
+            ph.links[(x, y)] = [float(w), float(c)]
+        if copies:
+            nb, ns = t["nbytes"][sel], t["segments"][sel]
+            for ranks, staged in ((a[sel], ~t["sd"][sel]), (b[sel], ~t["rd"][sel])):
+                r, n, k = ranks[staged], nb[staged], ns[staged]
+                if r.size:
+                    ur, ri = np.unique(r, return_inverse=True)
+                    for x, v, o in zip(ur.tolist(), np.bincount(ri, weights=n).tolist(), np.bincount(ri, weights=k).tolist()):
+                        ph.copies[x] += v
+                        ph.copy_ops[x] += o
+    if t["relay"].any():
+        relay.fill_bytes = float(t["wire_bytes"][t["relay"]].max())
 
 
 def _distinct_boxes(src: Layout):

@@ -144,3 +144,21 @@ def test_bad_names_and_values_say_what_is_valid():
         Cluster(nic_gbps=0)
     with pytest.raises(ValueError, match="broadcast"):
         Cluster(broadcast="star")
+
+
+def test_plan_traffic_from_columns_matches_messages():
+    """plan_traffic sums the plan's columns; summing its Message objects gives the same phases."""
+    from reshard.common.frameworks import build
+    from reshard.common.planner import PlanOptions, make_plan
+    from reshard.common.simulate import plan_traffic
+
+    plan = make_plan(build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=3"),
+                     PlanOptions(bucket_bytes=4096, direct_min_bytes=1024, max_message_bytes=8192))
+    fast = {p.name: p for p in plan_traffic(plan)}
+    slow = {p.name: p for p in plan_traffic(plan, weight=lambda name: 1.0)}
+    assert set(fast) == set(slow) == {"source", "relay"}
+    for k in fast:
+        assert fast[k].links == slow[k].links  # integral sums: exact
+        assert dict(fast[k].copies) == pytest.approx(dict(slow[k].copies))
+        assert dict(fast[k].copy_ops) == pytest.approx(dict(slow[k].copy_ops))
+        assert fast[k].fill_bytes == slow[k].fill_bytes and fast[k].fill_steps == slow[k].fill_steps
