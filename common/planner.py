@@ -45,12 +45,23 @@ class PlanOptions:
     relay: bool = True
     """Destination replicas (ranks with identical buffers, e.g. DP copies) get their bytes from a
     replica that received them in an earlier round, so trainer egress carries each byte once."""
+    staging_bytes: int = 0
+    """Upper bound on one rank's staging pool (0: 256 MiB, or 4 buckets if that is more). The
+    engine double-buffers a round's staged bytes, so at most staging_bytes // (2 * bucket_bytes)
+    of a rank's peers stage in the same round; rounds are staggered to keep to that."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 4096:
             raise ValueError(f"bucket_bytes={self.bucket_bytes} is too small; use at least 4096")
         if self.max_message_bytes < self.bucket_bytes:
             raise ValueError("max_message_bytes must be at least bucket_bytes")
+        if self.staging_bytes and self.staging_bytes < 4 * self.bucket_bytes:
+            raise ValueError(f"staging_bytes={self.staging_bytes} must be at least 4 * bucket_bytes "
+                             f"({4 * self.bucket_bytes}): a relaying replica stages a receive and a send per round")
+
+    @property
+    def staging_limit(self) -> int:
+        return self.staging_bytes or max(256 << 20, 4 * self.bucket_bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -241,7 +252,8 @@ class Plan:
         return [self._message(i) for i in range(len(self._m["src"]))]
 
     def message_table(self) -> dict[str, np.ndarray]:
-        """Every message as columns (read-only): src, dst, round, tag, nbytes, wire_bytes, relay,
+        """Every message as columns (read-only): src, dst, round, tag, nbytes, wire_bytes,
+        staged_bytes (packed size, where an end stages), relay,
         sd (sent from storage), rd (received into storage), segments (count). For whole-plan
         figures at scale, where materializing `messages` would be slow."""
         m, g = self._m, self._g
@@ -252,6 +264,7 @@ class Plan:
         aligned = np.concatenate(([0], np.cumsum(_align_arr(seg_bytes))))
         staged = aligned[m["hi"]] - aligned[m["lo"]]
         out["wire_bytes"] = np.where(m["sd"] | m["rd"], m["nbytes"], staged)
+        out["staged_bytes"] = staged
         for v in out.values():
             v.flags.writeable = False
         return out
@@ -566,6 +579,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     del inter, rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks, dp_rows
     g, m = _messages(g, name_rank, options, bucket)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
+    m["round"] = _stagger(m, max(1, options.staging_limit // (2 * bucket)))
     num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
 
     # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
@@ -720,6 +734,33 @@ def _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_rank
         "piece": T.p_index[prow], "sdt": S.buf_dtype[S.p_buf[srow]], "ddt": T.buf_dtype[T.p_buf[prow]],
         "ps": srank, "pd": drank,
     }
+
+
+def _stagger(m: dict[str, np.ndarray], peers: int) -> np.ndarray:
+    """Global rounds from each pair's own rounds, so that no rank has more than `peers` pairs
+    in one round (its staging stays bounded): pairs get slots, greedily, such that a slot holds
+    at most `peers` pairs of any rank; round k of a pair in slot s becomes k * slots + s."""
+    if not len(m["src"]):
+        return m["round"]
+    key = np.stack([m["src"], m["dst"]], axis=1)
+    pairs, inv = np.unique(key, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    deg_s = np.bincount(pairs[:, 0])
+    deg_d = np.bincount(pairs[:, 1])
+    if max(deg_s.max(), deg_d.max()) <= peers:
+        return m["round"]  # every rank's pairs fit one slot
+    used_s: dict[tuple[int, int], int] = defaultdict(int)
+    used_d: dict[tuple[int, int], int] = defaultdict(int)
+    slot = np.empty(len(pairs), dtype=np.int64)
+    for i, (a, b) in enumerate(pairs.tolist()):
+        k = 0
+        while used_s[(a, k)] >= peers or used_d[(b, k)] >= peers:
+            k += 1
+        slot[i] = k
+        used_s[(a, k)] += 1
+        used_d[(b, k)] += 1
+    slots = int(slot.max()) + 1
+    return m["round"] * slots + slot[inv]
 
 
 def _widen(a: np.ndarray, D: int, fill: int) -> np.ndarray:

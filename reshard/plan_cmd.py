@@ -28,6 +28,7 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
     per = plan.rank_bytes()
     sends, recvs, relays = per["send"], per["recv"], per["relay"]
     links = plan.link_bytes()
+    staging = _max_staging(plan)
     mean_send = int(sends.sum()) // max(1, len(sends))
     return {
         "model": model, "src": src_spec, "dst": dst_spec,
@@ -44,6 +45,7 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
         "relay_bytes": plan.total_bytes - plan.source_bytes,
         "max_rank_relay_bytes": int(relays.max(initial=0)),
         "replicas_fed_by_relay": len(plan.primary_of),
+        "max_rank_staging_bytes": staging,
         "send_imbalance": float(sends.max() / (sends.sum() / len(sends)) - 1) if sends.sum() else 0.0,
         # The planner's own memory: the peak resident growth while planning (sampled every 2 ms;
         # the layouts, built before, are not counted), and what the finished plan keeps.
@@ -51,6 +53,26 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
         "plan_memory_bytes": plan.nbytes,
         "digest": plan.digest,
     }
+
+
+def _max_staging(plan) -> int:
+    """The largest staging pool any rank's engine allocates for this plan: twice its most
+    staged round (the engine double-buffers rounds)."""
+    import numpy as np
+
+    t = plan.message_table()
+    S = plan.src_world
+    # Endpoint ids: source rank r is r, destination rank d is S + d (a relay's sender included).
+    send_ep = np.where(t["relay"], S + t["src"], t["src"])
+    recv_ep = S + t["dst"]
+    ep = np.concatenate([send_ep[~t["sd"]], recv_ep[~t["rd"]]])
+    rnd = np.concatenate([t["round"][~t["sd"]], t["round"][~t["rd"]]])
+    val = np.concatenate([t["staged_bytes"][~t["sd"]], t["staged_bytes"][~t["rd"]]])
+    if not len(ep):
+        return 0
+    key = ep * (int(rnd.max()) + 1) + rnd
+    _, inv = np.unique(key, return_inverse=True)
+    return 2 * int(np.bincount(inv.reshape(-1), weights=val).max())
 
 
 def _rss() -> int:

@@ -156,7 +156,20 @@ def plan_options(draw) -> PlanOptions:
     bucket = draw(st.one_of(st.integers(64, 160).map(lambda k: 64 * k), st.integers(4096, 10240)))
     direct = draw(st.one_of(st.just(1 << 30), st.sampled_from([1, 64, 4096]), st.integers(1, 65536)))
     max_msg = bucket + draw(st.integers(0, 3 * bucket))
-    return PlanOptions(bucket_bytes=bucket, direct_min_bytes=direct, max_message_bytes=max_msg)
+    staging = draw(st.one_of(st.just(0), st.sampled_from([4, 5, 8]).map(lambda k: k * bucket)))
+    return PlanOptions(bucket_bytes=bucket, direct_min_bytes=direct, max_message_bytes=max_msg, staging_bytes=staging)
+
+
+def check_staging(plan, opts: PlanOptions) -> None:
+    """A rank's staged bytes in one round fit half its staging limit (the engine double-buffers)."""
+    for (side, rank), ms in _endpoints(plan).items():
+        per_round: dict[int, int] = defaultdict(int)
+        for m in ms:
+            sending = side == "s" or (m.relay and m.src == rank)
+            if not (m.send_direct if sending else m.recv_direct):
+                per_round[m.round] += m.staged_bytes
+        if opts.bucket_bytes % ALIGN == 0:
+            assert max(per_round.values(), default=0) <= opts.staging_limit // 2, (side, rank, dict(per_round))
 
 
 @st.composite
@@ -353,6 +366,7 @@ def test_random_layouts_exactly_once_and_rounds(sc: Scenario, opts: PlanOptions)
     check_exactly_once(plan, sc)
     check_rounds(plan)
     check_sizes(plan, opts)
+    check_staging(plan, opts)
 
 
 @given(sc=scenarios(), opts=plan_options(), data=st.data())
@@ -677,3 +691,26 @@ def test_replica_assignment_paths_agree(data):
         want[i] = r
         load[r] += int(nbytes[i])
     assert a.tolist() == want
+
+
+def test_rounds_staggered_to_bound_staging():
+    """Eight sources of one destination, staging for two peers per round: the destination
+    receives from at most two per round, the result is exact and the schedule cannot deadlock."""
+    spec = {"w": TensorSpec("w", (8, 1024), "float32")}
+    src = Layout(spec, tuple((LocalBuffer("w", (1, 1024), "float32", (Piece("w", Box((0, 0), (1, 1024)), Box((r, 0), (1, 1024))),)),)
+                             for r in range(8)))
+    dst = Layout(spec, ((LocalBuffer("w", (8, 1024), "float32", (Piece("w", Box((0, 0), (8, 1024)), Box((0, 0), (8, 1024))),)),),))
+    opts = PlanOptions(bucket_bytes=4096, direct_min_bytes=1 << 30, max_message_bytes=4096, staging_bytes=4 * 4096)
+    plan = make_plan(src, dst, opts)
+    per_round = defaultdict(set)
+    for m in plan.messages:
+        per_round[m.round].add(m.src)
+    assert max(len(v) for v in per_round.values()) == 2 and len(per_round) == 4
+    check_rounds(plan)
+    check_staging(plan, opts)
+    full = torch.arange(8 * 1024, dtype=torch.float32).reshape(8, 1024)
+    out = {"w": torch.zeros(8, 1024)}
+    execute_in_memory(plan, [{"w": full[r:r + 1].clone()} for r in range(8)], [out])
+    assert torch.equal(out["w"], full)
+    with pytest.raises(ValueError, match="staging_bytes=8192 must be at least 4 \\* bucket_bytes"):
+        PlanOptions(bucket_bytes=4096, staging_bytes=8192)
