@@ -29,6 +29,25 @@ def _normalize(d: torch.device) -> torch.device:
     return d
 
 
+def worker_device(spec: str, rank: int) -> torch.device:
+    """Where a standalone worker keeps its weights: 'cpu'; 'cuda' (local GPU rank % count, the
+    usual one-process-per-GPU placement); or an explicit 'cuda:N'. Clear errors when CUDA is
+    missing or the index is out of range."""
+    spec = (spec or "cpu").strip()
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec != "cuda" and not spec.startswith("cuda:"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, not {spec!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} asked for, but torch {torch.__version__} sees no CUDA device here "
+                         "(CPU build, or no GPU); use --device cpu")
+    n = torch.cuda.device_count()
+    index = rank % n if spec == "cuda" else int(spec.split(":", 1)[1])
+    if not 0 <= index < n:
+        raise ValueError(f"device {spec!r}: this machine has {n} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
 def device_kind(device: str) -> str:
     """'cuda:3' -> 'cuda'; '' (a worker that does not report its device) -> 'cpu'."""
     return (device or "cpu").split(":")[0]

@@ -74,7 +74,7 @@ def advance_box(out: torch.Tensor, seed: int, name: str, step: int, offset, shap
         d = _random_box(seed, name, step, off, tuple(view.shape), tuple(shape))
         d.mul_(0.1).sub_(0.05)  # [-0.05, 0.05)
         d.add_(torch.where(d < 0, -0.02, 0.02))
-        w = view.to(torch.float32)
+        w = view.to(device="cpu", dtype=torch.float32)  # computed on the host: the same bits on any device
         d = torch.where((w + d).abs() > _LIMIT, -d, d)
         view.copy_(w.add_(d))
 

@@ -301,7 +301,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
 
 async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: str = "shadow", layout: str = "",
-                deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True) -> int:
+                deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu") -> int:
     deadlines = deadlines or Deadlines()
     hub = WorkerHub(workers, "inference")
     ctl = InferenceController(hub, model, deadlines)
@@ -309,7 +309,8 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
 
     def command(addr: str, rank: int) -> list[str]:
         return [sys.executable, "-m", "reshard.inference_svc.standalone", "--controller", addr, "--rank", str(rank),
-                "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode] + (["--layout", layout] if layout else [])
+                "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode, "--device", device] + (
+                    ["--layout", layout] if layout else [])
 
     async def watchdog() -> None:
         while True:
@@ -324,6 +325,6 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
 
 
 def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True,
-         layout: str = "") -> int:
+         layout: str = "", device: str = "cpu") -> int:
     return run_main(lambda stop: serve(listen, workers, model, seed=seed, mode=mode, deadlines=deadlines, stop=stop,
-                                       spawn_workers=spawn_workers, layout=layout))
+                                       spawn_workers=spawn_workers, layout=layout, device=device))

@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from reshard.common.backend import worker_device
 from reshard.common.frameworks import build
 from reshard.common.layout import dtype_of
 from reshard.common.synth import init_box
@@ -26,13 +27,13 @@ CHECKPOINT = pb.Version(run="checkpoint", step=0)
 
 
 def make_worker(controller: str, rank: int, world: int, model: str, seed: int, mode: str, fault: dict,
-                layout_spec: str = "") -> InferenceWorker:
+                layout_spec: str = "", device: str = "cpu") -> InferenceWorker:
     layout = build(model, layout_spec or f"framework=vllm,tp={world}")
     if layout.world != world:
         raise SystemExit(f"layout {layout_spec!r} has {layout.world} ranks, not {world}")
     buffers = {}
     for desc in layout.ranks[rank]:
-        t = torch.zeros(desc.shape, dtype=dtype_of(desc.dtype))
+        t = torch.zeros(desc.shape, dtype=dtype_of(desc.dtype), device=worker_device(device, rank))
         for p in desc.pieces:  # the checkpoint the engine loaded at start: synthetic step 0
             init_box(p.view(t), seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
         buffers[desc.name] = (desc, t)
@@ -44,7 +45,7 @@ def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: floa
     """The synthetic serving loop: one small request every `interval` seconds."""
     # A small matrix-vector product over the first rows of this rank's first 2-D buffer.
     w = next(t for t in worker.live.values() if t.dim() >= 2).flatten(1)
-    x = torch.ones(w.shape[1], dtype=torch.float32)
+    x = torch.ones(w.shape[1], dtype=torch.float32, device=w.device)
     while not stop.is_set():
         with worker.serving() as version:
             if version is not None:
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
     ap.add_argument("--layout", default="", help="layout spec, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all ranks)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s")
@@ -71,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         fault = {"slow_after": float(os.environ.get("RESHARD_FAULT_SLOW_AFTER", "-1")),
                  "slow_seconds": float(os.environ.get("RESHARD_FAULT_SLOW_SECONDS", "0")),
                  "once": os.environ.get("RESHARD_FAULT_ONCE", "") == "1"}
-    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault, a.layout)
+    try:
+        worker_device(a.device, a.rank)
+    except ValueError as e:
+        raise SystemExit(f"inference worker {a.rank}: {e}") from None
+    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault, a.layout, a.device)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -43,6 +43,13 @@ def _layout_spec(s: str) -> str:
     return s
 
 
+def _device(s: str) -> str:
+    s = s.strip()
+    if s in ("cpu", "cuda") or (s.startswith("cuda:") and s[5:].isdigit()):
+        return s
+    raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {s!r}")
+
+
 def _positive(s: str) -> float:
     v = float(s)
     if v <= 0:
@@ -70,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers: wait for --workers InferenceWorkers embedded in a serving engine to attach")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where standalone workers keep the weights: cpu, cuda (worker rank %% GPU count) or cuda:N")
     deadlines(p)
 
     p = sub.add_parser("trainer", help="run trainer_svc with standalone synthetic workers")
@@ -94,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no workers: wait for --workers TrainerWorkers embedded in a training job to attach")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="data plane: nccl when every worker's buffers are on CUDA, gloo when on CPU (auto), or forced")
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="where standalone workers keep the weights: cpu, cuda (worker rank %% GPU count) or cuda:N")
     deadlines(p)
 
     p = sub.add_parser("update", help="push the trainer's latest version to inference")
@@ -298,16 +309,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--layout {a.layout} has {layout_world} ranks but --workers is {a.workers}", file=sys.stderr)
             return 2
         dl = Deadlines(rpc_s=a.rpc_timeout, update_s=a.update_timeout)
+        if a.device != "cpu" and not a.external_workers:
+            from reshard.common.backend import worker_device
+
+            try:
+                worker_device(a.device, 0)  # the standalone workers run on this host
+            except ValueError as e:
+                print(f"--device: {e}", file=sys.stderr)
+                return 2
         if a.command == "inference":
             from reshard.inference_svc.service import main as inf_main
 
             return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl, spawn_workers=not a.external_workers,
-                            layout=a.layout)
+                            layout=a.layout, device=a.device)
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
-                       master_dtype=a.master_dtype, backend=a.backend)
+                       master_dtype=a.master_dtype, backend=a.backend, device=a.device)
     if a.command == "doctor":
         from reshard.doctor import main as doctor_main
 

@@ -432,7 +432,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-                master_dtype: str = "", backend: str = "auto") -> int:
+                master_dtype: str = "", backend: str = "auto", device: str = "cpu") -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
@@ -442,7 +442,7 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
 
     def command(addr: str, rank: int) -> list[str]:
         cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", addr, "--rank", str(rank),
-               "--world", str(workers), "--model", model, "--seed", str(seed), "--run", run]
+               "--world", str(workers), "--model", model, "--seed", str(seed), "--run", run, "--device", device]
         return (cmd + (["--layout-fault", layout_fault] if layout_fault else []) + (["--layout", layout] if layout else [])
                 + (["--master-dtype", master_dtype] if master_dtype else []))
 
@@ -456,8 +456,8 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-         master_dtype: str = "", backend: str = "auto") -> int:
+         master_dtype: str = "", backend: str = "auto", device: str = "cpu") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
                                        spawn_workers=spawn_workers, store_host=store_host, layout=layout,
-                                       master_dtype=master_dtype, backend=backend))
+                                       master_dtype=master_dtype, backend=backend, device=device))

@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from reshard.common.backend import worker_device
 from reshard.common.layout import dtype_of
 from reshard.common.frameworks import build
 from reshard.common.synth import advance_box, init_box
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout-fault", default="", choices=["", "swap-kv"])
     ap.add_argument("--layout", default="", help="layout spec, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all ranks)")
     ap.add_argument("--master-dtype", default="", help="hold the weights in this dtype (e.g. float32 masters), cast on send")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s")
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.master_dtype:
         dtype_of(a.master_dtype)
         descs = tuple(dataclasses.replace(d, dtype=a.master_dtype) for d in descs)
-    buffers = {d.name: (d, torch.zeros(d.shape, dtype=dtype_of(d.dtype))) for d in descs}
+    try:
+        device = worker_device(a.device, a.rank)
+    except ValueError as e:
+        raise SystemExit(f"trainer worker {a.rank}: {e}") from None
+    buffers = {d.name: (d, torch.zeros(d.shape, dtype=dtype_of(d.dtype), device=device)) for d in descs}
     worker = SyntheticTrainer(a.controller, a.rank, a.world, layout.tensors, buffers, run=a.run, model=a.model,
                               seed=a.seed, layout_fault=a.layout_fault, snapshot=False,
                               allow_casts=bool(a.master_dtype))

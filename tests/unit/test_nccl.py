@@ -682,3 +682,33 @@ def test_worker_makes_session_ids_or_says_why_not(tmp_path, monkeypatch):
         assert len(wpb.Reply(**reply).nccl_unique_id) == 128
     finally:
         w.stop()
+
+
+def test_worker_device_choice_and_errors(monkeypatch):
+    import torch
+
+    from reshard.common.backend import worker_device
+
+    assert worker_device("cpu", 3) == torch.device("cpu") and worker_device("", 0) == torch.device("cpu")
+    with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
+        worker_device("gpu", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        worker_device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert worker_device("cuda", 6) == torch.device("cuda", 2)  # one process per GPU, wrapping
+    assert worker_device("cuda:1", 6) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="has 4 CUDA device"):
+        worker_device("cuda:7", 0)
+
+
+def test_cli_device_checked_before_starting(capsys):
+    from reshard.cli import main
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["inference", "--listen", "127.0.0.1:0", "--device", "cuda"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trainer", "--listen", "127.0.0.1:0", "--device", "gpu"])
