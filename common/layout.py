@@ -239,6 +239,8 @@ class Layout:
     tensors: dict[str, TensorSpec]
     ranks: tuple[tuple[LocalBuffer, ...], ...]
     allow_casts: bool = False
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
+    """Derived values (the fingerprint), computed once: a layout never changes."""
 
     @property
     def world(self) -> int:
@@ -324,9 +326,12 @@ class Layout:
 
     def fingerprint(self) -> str:
         """A digest of the content (equal layouts, however built or encoded, share it)."""
-        from .tables import layout_fingerprint
+        fp = self._memo.get("fingerprint")
+        if fp is None:
+            from .tables import layout_fingerprint
 
-        return layout_fingerprint(self)[:16]
+            fp = self._memo["fingerprint"] = layout_fingerprint(self)[:16]
+        return fp
 
     @property
     def payload_bytes(self) -> int:

@@ -616,7 +616,12 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     order = np.lexsort((Mm["tag"], Mm["dst"], Mm["src"], Mm["relay"], Mm["round"]))
     Mm = {k: v[order] for k, v in Mm.items()}
     num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
-    digest = _digest(S.fingerprint(), T.fingerprint(), tensors, Mm, G, T.tensor_names, buffer_names)
+    fps = []
+    for lay, tbl in ((src, S), (dst, T)):
+        fp = tbl.fingerprint()
+        lay._memo.setdefault("fingerprint", fp[:16])  # what Layout.fingerprint() would compute
+        fps.append(fp)
+    digest = _digest(*fps, tensors, Mm, G, T.tensor_names, buffer_names)
     return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset)
 
 

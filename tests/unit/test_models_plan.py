@@ -131,3 +131,16 @@ def _links(msgs):
     for m in msgs:
         out[(m.relay, m.src, m.dst)] = out.get((m.relay, m.src, m.dst), 0) + m.nbytes
     return out
+
+
+def test_fingerprint_memo_follows_content():
+    import dataclasses
+
+    from reshard.common.frameworks import build
+    from reshard.common.tables import layout_fingerprint
+
+    a, b = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2")
+    make_plan(a, b)  # the planner leaves the fingerprints it computed on both layouts
+    assert b.fingerprint() == layout_fingerprint(b)[:16] and a.fingerprint() == layout_fingerprint(a)[:16]
+    c = dataclasses.replace(a, allow_casts=True)  # a new layout starts with no memo
+    assert c.fingerprint() != a.fingerprint() and c == dataclasses.replace(a, allow_casts=True)
