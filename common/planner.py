@@ -579,8 +579,12 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     del inter, rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks, dp_rows
     g, m = _messages(g, name_rank, options, bucket)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
-    m["round"] = _stagger(m, max(1, options.staging_limit // (2 * bucket)))
+    peers = max(1, options.staging_limit // (2 * bucket))
+    relaying = options.relay and any(len(r) > 1 for r in T.class_ranks)
+    # A primary that relays may send one relay bucket in a round where it receives: one peer less.
+    m["round"] = _stagger(m, peers, max(1, peers - 1) if relaying else peers)
     num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
+    arrival = _arrival_rounds(g, m) if relaying else None
 
     # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
     primary_of: dict[int, int] = {}
@@ -598,13 +602,17 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
             rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
             rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
             rg, rm = _messages(rg, name_rank, options, bucket)
-            # Link k of a chain runs one round behind link k-1: message j leaves a replica the
-            # round after it arrived there, so every link carries the data once, pipelined.
+            # A relay message leaves the primary in the round after the last source round that
+            # writes its buffers (relays overlap the source phase), never earlier than its place
+            # among the relay messages allows; link k of the chain runs k rounds behind link 0:
+            # message j leaves a replica the round after it arrived there, so every link carries
+            # the data once, pipelined.
+            start = _relay_start(rm, rg, arrival, ranks[0])
             for k in range(len(ranks) - 1):
                 lm = dict(rm)
                 lm["src"] = np.full(len(rm["src"]), ranks[k], dtype=np.int64)
                 lm["dst"] = np.full(len(rm["src"]), ranks[k + 1], dtype=np.int64)
-                lm["round"] = rm["round"] + num_rounds + k
+                lm["round"] = start + k
                 lm["lo"], lm["hi"] = rm["lo"] + nseg, rm["hi"] + nseg
                 lm["relay"] = np.ones(len(rm["src"]), dtype=bool)
                 msg_parts.append(lm)
@@ -741,10 +749,39 @@ def _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_rank
     }
 
 
-def _stagger(m: dict[str, np.ndarray], peers: int) -> np.ndarray:
+def _arrival_rounds(g: dict[str, np.ndarray], m: dict[str, np.ndarray]) -> dict[tuple[int, int], int]:
+    """(destination rank, buffer name id) -> the last round in which source bytes land there.
+    (`g` holds the segments of the messages `m`, in their order: rows lo:hi of each.)"""
+    n = m["hi"] - m["lo"]
+    if not n.sum():
+        return {}
+    rank, rnd, buf = np.repeat(m["dst"], n), np.repeat(m["round"], n), g["dbuf"][m["lo"][0]:m["hi"][-1]]
+    nb = int(buf.max()) + 1
+    key = rank * nb + buf
+    o = np.lexsort((rnd, key))
+    last = np.append(key[o][1:] != key[o][:-1], True)
+    return {(int(k // nb), int(k % nb)): int(r) for k, r in zip(key[o][last].tolist(), rnd[o][last].tolist())}
+
+
+def _relay_start(rm: dict[str, np.ndarray], rg: dict[str, np.ndarray], arrival: dict[tuple[int, int], int],
+                 primary: int) -> np.ndarray:
+    """Round in which each relay message leaves the primary: at least one after its buffers'
+    last source round, and shifted as a block so messages that the template put in different
+    rounds never share one (each template round fits a bucket)."""
+    if not len(rm["round"]):
+        return rm["round"]
+    seg_ready = np.array([arrival.get((primary, int(b)), -1) + 1 for b in rg["dbuf"].tolist()], dtype=np.int64)
+    ready = np.maximum.reduceat(seg_ready, rm["lo"]) if len(seg_ready) else np.zeros(0, np.int64)
+    shift = np.maximum.accumulate(ready - rm["round"])
+    return rm["round"] + np.maximum(shift, 0)
+
+
+def _stagger(m: dict[str, np.ndarray], peers: int, dst_peers: int | None = None) -> np.ndarray:
     """Global rounds from each pair's own rounds, so that no rank has more than `peers` pairs
     in one round (its staging stays bounded): pairs get slots, greedily, such that a slot holds
-    at most `peers` pairs of any rank; round k of a pair in slot s becomes k * slots + s."""
+    at most `peers` pairs of any rank (`dst_peers` of a destination rank, which may also be
+    relaying in the same round); round k of a pair in slot s becomes k * slots + s."""
+    dst_peers = peers if dst_peers is None else dst_peers
     if not len(m["src"]):
         return m["round"]
     key = np.stack([m["src"], m["dst"]], axis=1)
@@ -752,14 +789,14 @@ def _stagger(m: dict[str, np.ndarray], peers: int) -> np.ndarray:
     inv = inv.reshape(-1)
     deg_s = np.bincount(pairs[:, 0])
     deg_d = np.bincount(pairs[:, 1])
-    if max(deg_s.max(), deg_d.max()) <= peers:
+    if deg_s.max() <= peers and deg_d.max() <= dst_peers:
         return m["round"]  # every rank's pairs fit one slot
     used_s: dict[tuple[int, int], int] = defaultdict(int)
     used_d: dict[tuple[int, int], int] = defaultdict(int)
     slot = np.empty(len(pairs), dtype=np.int64)
     for i, (a, b) in enumerate(pairs.tolist()):
         k = 0
-        while used_s[(a, k)] >= peers or used_d[(b, k)] >= peers:
+        while used_s[(a, k)] >= peers or used_d[(b, k)] >= dst_peers:
             k += 1
         slot[i] = k
         used_s[(a, k)] += 1

@@ -18,8 +18,10 @@ bytes of the whole node and its copies add up on one resource rather than overla
 
 Traffic comes from the planner's plan, message by message (`wire_bytes` per
 (source, destination) pair): the source phase holds every trainer -> inference message;
-the relay phase, which the engine runs after it, holds replica -> replica relays, plus
-the fill of its pipelined chains (one step per extra link). The serialized baseline is
+the relay phase holds replica -> replica relays, plus the fill of its pipelined chains
+(one step per extra link). The engine starts a relay as soon as its buffers have landed,
+so the relay phase runs during the source phase: the two are timed as one phase whose
+ports carry both loads. The serialized baseline is
 modelled as our own implementation runs it: gather onto trainer rank 0, then broadcast
 from there (NCCL-like pipelined rings on a cluster, gloo's binomial tree locally).
 
@@ -112,6 +114,9 @@ class Phase:
     """Extra pipeline steps (a relay chain of k links adds k - 1)."""
     fill_bytes: float = 0.0
     """Bytes of one pipeline step (the largest relay message)."""
+    overlaps_previous: bool = False
+    """Runs at the same time as the phase before it (relays overlap the source phase): the
+    two share their ports and are timed as one."""
 
     def add(self, a: int, b: int, nbytes: float, messages: float = 1.0) -> None:
         cur = self.links.get((a, b))
@@ -216,8 +221,25 @@ def phase_time(c: Cluster, src_world: int, dst_world: int, ph: Phase, hierarchic
     return PhaseResult(ph.name, seconds, f"{what} of {where}", ph.wire_bytes)
 
 
+def merge_phases(a: Phase, b: Phase) -> Phase:
+    """Two concurrent phases as one: their loads add up on every port; b's pipeline fill stays."""
+    out = Phase(f"{a.name}+{b.name}", {k: list(v) for k, v in a.links.items()},
+                fill_steps=max(a.fill_steps, b.fill_steps), fill_bytes=max(a.fill_bytes, b.fill_bytes))
+    for k, (nb, nm) in b.links.items():
+        out.add(k[0], k[1], nb, nm)
+    for src in (a, b):
+        for r, v in src.copies.items():
+            out.copies[r] += v
+        for r, v in src.copy_ops.items():
+            out.copy_ops[r] += v
+    return out
+
+
 def predict(c: Cluster, src_world: int, dst_world: int, phases: list[Phase], hierarchical: bool = False) -> Prediction:
-    results = [phase_time(c, src_world, dst_world, ph, hierarchical) for ph in phases]
+    timed: list[Phase] = []
+    for ph in phases:
+        timed.append(merge_phases(timed.pop(), ph) if ph.overlaps_previous and timed else ph)
+    results = [phase_time(c, src_world, dst_world, ph, hierarchical) for ph in timed]
     total = sum(r.seconds for r in results)
     busiest = max(results, key=lambda r: r.seconds) if results else None
     bottleneck = f"{busiest.bottleneck}, in the {busiest.name} phase" if busiest and busiest.seconds else "nothing to move"
@@ -275,6 +297,9 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True) 
             relay.fill_bytes = max(relay.fill_bytes, float(m.wire_bytes))
     depth = _relay_depth(plan)
     relay.fill_steps = max(0, depth - 1)
+    # The engine starts each relay as soon as its buffers have landed: relays run during the
+    # source phase, not after it.
+    relay.overlaps_previous = True
     return [p for p in (src, relay) if p.links]
 
 
@@ -480,7 +505,7 @@ def scale_phases(phases: list[Phase], factor: float) -> list[Phase]:
     for ph in phases:
         q = Phase(ph.name, {k: [v[0] * factor, v[1]] for k, v in ph.links.items()},
                   defaultdict(float, {r: n * factor for r, n in ph.copies.items()}), defaultdict(float, ph.copy_ops),
-                  ph.fill_steps, ph.fill_bytes * factor)
+                  ph.fill_steps, ph.fill_bytes * factor, ph.overlaps_previous)
         out.append(q)
     return out
 

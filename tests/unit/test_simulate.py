@@ -162,3 +162,19 @@ def test_plan_traffic_from_columns_matches_messages():
         assert dict(fast[k].copies) == pytest.approx(dict(slow[k].copies))
         assert dict(fast[k].copy_ops) == pytest.approx(dict(slow[k].copy_ops))
         assert fast[k].fill_bytes == slow[k].fill_bytes and fast[k].fill_steps == slow[k].fill_steps
+
+
+def test_overlapping_relay_phase_shares_ports():
+    """A relay phase that overlaps the source phase is timed with it: loads add per port, the
+    fill stays; sequential phases add their times."""
+    c = one_gpu_nodes()
+    src, relay = Phase("source"), Phase("relay", fill_steps=1, fill_bytes=1 * GB)
+    src.add(0, 1, 10 * GB)      # trainer 0 -> inference 0
+    relay.add(1, 2, 10 * GB)    # inference 0 -> inference 1: a different port pair
+    seq = predict(c, 1, 2, [src, relay])
+    relay.overlaps_previous = True
+    both = predict(c, 1, 2, [src, relay])
+    assert seq.seconds == pytest.approx(1.0 + 1.0 + 0.1)
+    assert both.seconds == pytest.approx(1.0 + 0.1) and [p.name for p in both.phases] == ["source+relay"]
+    relay.add(0, 2, 10 * GB)    # now trainer 0's egress carries 20 GB in the merged phase
+    assert predict(c, 1, 2, [src, relay]).seconds == pytest.approx(2.0 + 0.1)
