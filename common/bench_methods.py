@@ -361,7 +361,9 @@ def stream(t: Transport, me: int, peer: int, sender: bool, nbytes: int, count: i
         _wait_all([t.send(buf, peer, 500 + i) for i in range(count)], deadline)
         t.recv(ack, peer, 499).wait(_timeout(deadline))
     else:
-        bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(min(count, 2))]
+        # Touched in advance, as the update's destination buffers are: first-touch page faults
+        # are not part of the link's rate (and are expensive on some VMs).
+        bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(min(count, 2))]
         _wait_all([t.recv(bufs[i % len(bufs)], peer, 500 + i) for i in range(count)], deadline)
         t.send(ack, peer, 499).wait(_timeout(deadline))
     return time.perf_counter() - t0
