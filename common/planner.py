@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .layout import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
-from .tables import ITEMSIZE, LayoutTable, build_table, contiguous
+from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, row_strides
 
 _DTYPE_NAMES = list(DTYPES)
 
@@ -817,7 +817,8 @@ def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tn
     """Distinct source boxes of one tensor must not overlap (identical ones are replicas)."""
     if len(b_t) < 2:
         return
-    strides = _contig_rows(t_shape[b_t])
+    shape = t_shape[b_t]
+    strides = row_strides(shape, np.full(len(shape), shape.shape[1]))
     lo = (b_off * strides).sum(axis=1)
     hi = lo + ((b_size - 1) * strides).sum(axis=1) + 1
     o = np.lexsort((lo, b_t))
@@ -847,13 +848,6 @@ def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tn
             (ba, ra), (bb, rb) = sorted(boxes, key=lambda x: (x[0].offset, x[0].size))
             raise LayoutError(f"tensor {tnames[int(t_i[k])]!r}: source boxes {ba} (rank {ra}) and {bb} (rank {rb}) "
                               "overlap without being identical replicas")
-
-
-def _contig_rows(shape: np.ndarray) -> np.ndarray:
-    out = np.ones_like(shape)
-    for d in range(shape.shape[1] - 2, -1, -1):
-        out[:, d] = out[:, d + 1] * shape[:, d + 1]
-    return out
 
 
 _WATERFILL_MAX = 4_000_000

@@ -47,7 +47,7 @@ def _pad(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = None) -
     return out
 
 
-def _contig(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+def row_strides(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     """Row-major strides of each row's size (dims past ndim get stride 0)."""
     D = size.shape[1]
     out = np.zeros_like(size)
@@ -227,11 +227,11 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
 
     p_tensor, p_index, p_buf, p_flat = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3].astype(bool)
     bnumel = bshape.prod(axis=1)
-    bstrides = _contig(bshape, bndim)
+    bstrides = row_strides(bshape, bndim)
     numel = size.prod(axis=1)
     # Where each box sits in its buffer.
     start = np.where(p_flat, roff[:, 0], (roff * bstrides[p_buf]).sum(axis=1))
-    strides = np.where(p_flat[:, None], _contig(size, ndim), bstrides[p_buf])
+    strides = np.where(p_flat[:, None], row_strides(size, ndim), bstrides[p_buf])
 
     tbl = LayoutTable(
         layout, D, tnames, t_shape, t_ndim, t_dtype, rank_class, class_ranks,
@@ -314,7 +314,7 @@ def layout_fingerprint(layout: Layout) -> str:
 
 def contiguous(size: np.ndarray, strides: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     """Per row: are `strides` row-major contiguous for `size` (dims of size 1 ignored)?"""
-    want = _contig(size, ndim)
+    want = row_strides(size, ndim)
     return ((size == 1) | (strides == want)).all(axis=1)
 
 
