@@ -12,6 +12,24 @@ receive of a round before waiting on any, so grouped point-to-point cannot
 deadlock. Small segments travel packed in one staged message per peer and
 round; a large segment whose region is contiguous is sent from (or received
 into) tensor storage directly.
+
+How it is computed, at the scale of a trillion-parameter MoE:
+1. Both layouts become numpy tables, one row per piece, read once per replica
+   class (`tables.build_table`), and are validated there.
+2. Distinct source boxes are found with their holders. Each destination piece is
+   intersected with the source boxes that overlap it, searched per tensor along a
+   dimension on which its source boxes are disjoint. Every piece must be covered.
+3. Each transfer goes to one holder: largest first, to the least-loaded one
+   (`_assign`). Replicas of a destination class receive nothing from the sources:
+   they get relays instead.
+4. Segments become messages and rounds (`_messages`: next-fit buckets, then
+   next-fit rounds per pair). Rounds are staggered so that every rank's staging
+   stays within `PlanOptions.staging_bytes` (`_stagger`).
+5. Relays go down a chain per replica class. A relay message leaves the primary
+   the round after its buffers' last source round; each further link runs one
+   round later.
+6. The plan stays in columns. `Plan` builds one rank's `Message` objects when
+   asked for them.
 """
 
 from __future__ import annotations
