@@ -45,7 +45,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .layout import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
-from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, row_strides
+from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, row_strides, unique_rows
 
 _DTYPE_NAMES = list(DTYPES)
 
@@ -329,9 +329,8 @@ class Plan:
     def link_bytes(self) -> dict[tuple[bool, int, int], int]:
         """Bytes per link: (relay, src, dst) -> bytes."""
         m = self._m
-        key = np.stack([m["relay"].astype(np.int64), m["src"], m["dst"]], axis=1)
-        uniq, inv = np.unique(key, axis=0, return_inverse=True)
-        tot = np.bincount(inv.reshape(-1), weights=m["nbytes"], minlength=len(uniq))
+        uniq, inv = unique_rows(m["relay"], m["src"], m["dst"])
+        tot = np.bincount(inv, weights=m["nbytes"], minlength=len(uniq))
         return {(bool(r), int(s), int(d)): int(b) for (r, s, d), b in zip(uniq.tolist(), tot.tolist())}
 
     # -- verification ----------------------------------------------------------------------
@@ -802,9 +801,7 @@ def _stagger(m: dict[str, np.ndarray], peers: int, dst_peers: int | None = None)
     dst_peers = peers if dst_peers is None else dst_peers
     if not len(m["src"]):
         return m["round"]
-    key = np.stack([m["src"], m["dst"]], axis=1)
-    pairs, inv = np.unique(key, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
+    pairs, inv = unique_rows(m["src"], m["dst"])
     deg_s = np.bincount(pairs[:, 0])
     deg_d = np.bincount(pairs[:, 1])
     if deg_s.max() <= peers and deg_d.max() <= dst_peers:

@@ -42,6 +42,7 @@ import numpy as np
 
 from .layout import Layout
 from .planner import Plan, Side
+from .tables import unique_rows
 
 GB = 1e9
 
@@ -312,9 +313,7 @@ def _table_traffic(plan: Plan, src: Phase, relay: Phase, copies: bool) -> None:
     for ph, sel in ((src, ~t["relay"]), (relay, t["relay"])):
         if not sel.any():
             continue
-        key = np.stack([a[sel], b[sel]], axis=1)
-        uniq, inv = np.unique(key, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
+        uniq, inv = unique_rows(a[sel], b[sel])
         wire = np.bincount(inv, weights=t["wire_bytes"][sel], minlength=len(uniq))
         count = np.bincount(inv, minlength=len(uniq))
         for (x, y), w, c in zip(uniq.tolist(), wire.tolist(), count.tolist()):

@@ -308,6 +308,28 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     t.problems = cls_bad
 
 
+def unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(np.stack(cols, 1), axis=0, return_inverse=True) for non-negative integer
+    columns, through one mixed-radix key: the same rows, order and inverse, without the
+    row-wise sort (which takes ~0.6 s on 700k rows here)."""
+    cols = [np.asarray(c, dtype=np.int64) for c in cols]
+    n = len(cols[0])
+    if not n:
+        return np.zeros((0, len(cols)), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    radix = [int(c.max()) + 1 for c in cols]
+    if any(int(c.min()) < 0 for c in cols) or float(np.prod([float(r) for r in radix])) >= 2.0 ** 62:
+        u, inv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
+        return u, inv.reshape(-1)
+    key = np.zeros(n, dtype=np.int64)
+    for c, r in zip(cols, radix):
+        key = key * r + c
+    ukey, inv = np.unique(key, return_inverse=True)
+    out = np.empty((len(ukey), len(cols)), dtype=np.int64)
+    for j in range(len(cols) - 1, -1, -1):
+        ukey, out[:, j] = np.divmod(ukey, radix[j])
+    return out, inv.reshape(-1)
+
+
 def layout_fingerprint(layout: Layout) -> str:
     return build_table(layout, {}, require_full_buffers=False, check=False).fingerprint()
 

@@ -747,3 +747,17 @@ def test_table_padding_of_mixed_ranks():
     rows = [(3,), (1, 2), (), (4, 5, 6), (7,)]
     assert _pad(rows, 3, 1).tolist() == [[3, 1, 1], [1, 2, 1], [1, 1, 1], [4, 5, 6], [7, 1, 1]]
     assert _pad([(1, 2), (3, 4)], 2, 0).tolist() == [[1, 2], [3, 4]]
+
+
+def test_unique_rows_matches_numpy():
+    import numpy as np
+
+    from reshard.common.tables import unique_rows
+
+    rng = np.random.default_rng(0)
+    for cols in ([rng.integers(0, 5, 300), rng.integers(0, 300, 300)],
+                 [rng.integers(0, 2, 50), rng.integers(0, 7, 50), rng.integers(0, 3, 50)],
+                 [np.array([0, 1 << 40, 3]), np.array([1 << 30, 0, 5])]):  # wide: the fallback
+        want_u, want_i = np.unique(np.stack(cols, 1), axis=0, return_inverse=True)
+        u, i = unique_rows(*cols)
+        assert u.tolist() == want_u.tolist() and i.tolist() == want_i.reshape(-1).tolist()
