@@ -162,18 +162,23 @@ class _RankMessages(Mapping):
     """rank -> that rank's messages, materialized on first access from the plan's columns."""
 
     def __init__(self, plan: Plan, key: str, relay: bool | None) -> None:
-        self._plan, self._cache = plan, {}
-        m = plan._m
-        sel = np.ones(len(m["src"]), dtype=bool) if relay is None else (m["relay"] == relay)
+        self._plan, self._key, self._relay, self._cache = plan, key, relay, {}
+        self._lo: dict[int, int] | None = None  # the index is built on first use
+
+    def _index(self) -> None:
+        m = self._plan._m
+        sel = np.ones(len(m["src"]), dtype=bool) if self._relay is None else (m["relay"] == self._relay)
         idx = np.flatnonzero(sel)
-        ranks = m[key][idx]
+        ranks = m[self._key][idx]
         order = np.argsort(ranks, kind="stable")
         self._idx, r = idx[order], ranks[order]
         self._ranks = np.unique(r).tolist()
-        self._lo = dict(zip(self._ranks, np.searchsorted(r, self._ranks, "left").tolist()))
         self._hi = dict(zip(self._ranks, np.searchsorted(r, self._ranks, "right").tolist()))
+        self._lo = dict(zip(self._ranks, np.searchsorted(r, self._ranks, "left").tolist()))
 
     def __getitem__(self, rank: int) -> list[Message]:
+        if self._lo is None:
+            self._index()
         if rank not in self._lo:
             raise KeyError(rank)
         out = self._cache.get(rank)
@@ -182,9 +187,13 @@ class _RankMessages(Mapping):
         return out
 
     def __iter__(self):
+        if self._lo is None:
+            self._index()
         return iter(self._ranks)
 
     def __len__(self) -> int:
+        if self._lo is None:
+            self._index()
         return len(self._ranks)
 
 
@@ -607,6 +616,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     primary_of: dict[int, int] = {}
     seg_parts, msg_parts = [g], [m]
     nseg = len(g["tensor"])
+    templates: dict[bytes, tuple[dict, dict, int]] = {}  # equal relay segments: planned once, stored once
     if options.relay:
         for c, ranks in enumerate(T.class_ranks):
             if len(ranks) < 2:
@@ -616,9 +626,18 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
             rg = _relay_segments(T, c, subset, D)
             if not len(rg["tensor"]):
                 continue
-            rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-            rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-            rg, rm = _messages(rg, name_rank, options, bucket)
+            key = b"".join(np.ascontiguousarray(rg[k]).tobytes() for k in SEG_KEYS)
+            hit = templates.get(key)
+            if hit is not None:
+                rg, rm, base = hit
+            else:
+                rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+                rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+                rg, rm = _messages(rg, name_rank, options, bucket)
+                base = nseg
+                templates[key] = (rg, rm, base)
+                seg_parts.append(rg)
+                nseg += len(rg["tensor"])
             # A relay message leaves the primary in the round after the last source round that
             # writes its buffers (relays overlap the source phase), never earlier than its place
             # among the relay messages allows; link k of the chain runs k rounds behind link 0:
@@ -630,11 +649,9 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
                 lm["src"] = np.full(len(rm["src"]), ranks[k], dtype=np.int64)
                 lm["dst"] = np.full(len(rm["src"]), ranks[k + 1], dtype=np.int64)
                 lm["round"] = start + k
-                lm["lo"], lm["hi"] = rm["lo"] + nseg, rm["hi"] + nseg
+                lm["lo"], lm["hi"] = rm["lo"] + base, rm["hi"] + base
                 lm["relay"] = np.ones(len(rm["src"]), dtype=bool)
                 msg_parts.append(lm)
-            seg_parts.append(rg)
-            nseg += len(rg["tensor"])
     G = {k: np.concatenate([p.pop(k) for p in seg_parts]) if len(seg_parts) > 1 else seg_parts[0][k] for k in SEG_KEYS}
     del g, seg_parts
     Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
