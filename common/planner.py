@@ -518,7 +518,7 @@ def _messages(g: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOpti
         # only if the segment was and its own view is.
         g["sc"] &= contiguous(g["size"], g["sstrides"], g["ndim"])
         g["dc"] &= contiguous(g["size"], g["dstrides"], g["ndim"])
-    nbytes = g["size"].prod(axis=1) * ITEMSIZE[g["ddt"]]
+        nbytes = g["size"].prod(axis=1) * ITEMSIZE[g["ddt"]]
     n = len(nbytes)
     # Order: pair, destination buffer (by name), destination offset (unique within a buffer).
     pair_key = (g["ps"] << 20) | g["pd"]

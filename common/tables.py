@@ -21,7 +21,7 @@ import itertools
 
 import numpy as np
 
-from .layout import DTYPES, Layout, LayoutError, LocalBuffer, contiguous_strides
+from .layout import DTYPES, Layout, LocalBuffer
 
 DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
 ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
@@ -338,6 +338,3 @@ def contiguous(size: np.ndarray, strides: np.ndarray, ndim: np.ndarray) -> np.nd
     """Per row: are `strides` row-major contiguous for `size` (dims of size 1 ignored)?"""
     want = row_strides(size, ndim)
     return ((size == 1) | (strides == want)).all(axis=1)
-
-
-__all__ = ["LayoutTable", "build_table", "contiguous", "contiguous_strides", "ITEMSIZE", "DTYPE_IDS", "LayoutError"]
