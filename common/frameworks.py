@@ -17,8 +17,12 @@ Canonical names are Hugging Face's. Spec strings read `framework=megatron,tp=2,p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 
+import numpy as np
+
+from .columns import DTYPE_IDS, ClassCols, ColumnRanks, concat
 from .layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
 from .placement import chunk_sizes
 
@@ -208,19 +212,36 @@ def _vocab(name: str, spec: TensorSpec, tp: int, r: int, multiple: int) -> Local
 
 # -- vLLM ----------------------------------------------------------------------------
 
-def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int = 64) -> Layout:
+def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int = 64, columns: bool = True) -> Layout:
     """vLLM's layout: TP ranks per replica, `dp` identical replicas; ep=1 puts whole experts
-    on ranks (expert parallel over tp*dp), ep=0 splits every expert over TP."""
+    on ranks (expert parallel over tp*dp), ep=0 splits every expert over TP.
+
+    `columns` (the default) builds the routed experts as columns (`reshard.common.columns`);
+    False builds every piece as a Python object (the reference the columns are tested against)."""
     tensors = m.tensors()
-    replica = [_vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple) for r in range(tp)]
-    ranks = []
-    for d in range(dp):
-        for r in range(tp):
-            ranks.append(replica[r] if not (ep and m.experts) else _vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple, d))
-    return Layout(tensors, tuple(ranks))
+    moe_ep = bool(ep and m.experts)
+    if moe_ep:
+        per = _div(m.experts, tp * dp, "experts over expert-parallel ranks")
+    if not columns:
+        replica = [_vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple) for r in range(tp)]
+        ranks = []
+        for d in range(dp):
+            for r in range(tp):
+                ranks.append(replica[r] if not moe_ep else _vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple, d))
+        return Layout(tensors, tuple(ranks))
+    ctx = _Columns(m, tensors)
+    dense = [ctx.block(_vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple, routed=False)) for r in range(tp)]
+    if not moe_ep:
+        classes = [concat([dense[r], _vllm_experts(ctx, np.arange(m.experts), tp, r)]) if m.experts else dense[r]
+                   for r in range(tp)]
+        return Layout(tensors, ctx.ranks(classes, [r for _ in range(dp) for r in range(tp)]))
+    classes = [concat([dense[r], _vllm_experts(ctx, np.arange((d * tp + r) * per, (d * tp + r + 1) * per), 1, 0)])
+               for d in range(dp) for r in range(tp)]
+    return Layout(tensors, ctx.ranks(classes, range(tp * dp)))
 
 
-def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int, ep: int, mult: int, d: int = 0):
+def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int, ep: int, mult: int, d: int = 0,
+               routed: bool = True):
     bufs = [_vocab("model.embed_tokens.weight", t["model.embed_tokens.weight"], tp, r, mult)]
     for i in range(m.layers):
         p = f"model.layers.{i}."
@@ -254,14 +275,17 @@ def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int,
             bufs.append(_col_split(p + "mlp.down_proj.weight", t[p + "mlp.down_proj.weight"], tp, r))
             continue
         bufs.append(_whole(p + "mlp.gate.weight", t[p + "mlp.gate.weight"]))
-        if ep:
+        if not routed:
+            pass
+        elif ep:
             world = tp * dp
             per = _div(m.experts, world, "experts over expert-parallel ranks")
             experts = range((d * tp + r) * per, (d * tp + r + 1) * per)
             etp, er = 1, 0
         else:
             experts, etp, er = range(m.experts), tp, r
-        bufs += _expert_stack(p, m, t, experts, etp, er)
+        if routed:
+            bufs += _expert_stack(p, m, t, experts, etp, er)
         if m.shared_experts:
             s = p + "mlp.shared_experts."
             bufs.append(_fused_rows(s + "gate_up_proj.weight", [t[s + "gate_proj.weight"], t[s + "up_proj.weight"]], tp, r))
@@ -299,6 +323,106 @@ def _flatten_3d(name: str, shape: tuple[int, int, int], dtype: str, pieces: list
     return LocalBuffer(name, shape, dtype, tuple(out))
 
 
+# -- columns -------------------------------------------------------------------------
+
+class _Columns:
+    """Id tables of one columnar layout: tensor ids (sorted names) and buffer names."""
+
+    def __init__(self, m: ModelSpec, tensors: dict[str, TensorSpec]):
+        self.m = m
+        self.tnames = sorted(tensors)
+        self.tid = {n: i for i, n in enumerate(self.tnames)}
+        self.bid: dict[str, int] = {}
+        self._names: dict[tuple, np.ndarray] = {}
+
+    def block(self, bufs) -> ClassCols:
+        return ClassCols.from_buffers(bufs, self.tid, self.bid)
+
+    def names(self, key: tuple, make) -> np.ndarray:
+        """Buffer-name ids of `make()` (a list of names), cached under `key`."""
+        got = self._names.get(key)
+        if got is None:
+            got = self._names[key] = np.array([self.bid.setdefault(n, len(self.bid)) for n in make()], dtype=np.int64)
+        return got
+
+    @functools.cached_property
+    def expert_tids(self) -> np.ndarray:
+        """(layers, experts, 3): tensor ids of each routed expert's gate, up and down projections."""
+        m = self.m
+        out = np.full((m.layers, m.experts, 3), -1, dtype=np.int64)
+        for i in range(m.layers):
+            if m.is_moe(i):
+                out[i] = [[self.tid[f"model.layers.{i}.mlp.experts.{e}.{w}_proj.weight"] for w in ("gate", "up", "down")]
+                          for e in range(m.experts)]
+        return out
+
+    def ranks(self, classes: list[ClassCols], rank_class) -> ColumnRanks:
+        return ColumnRanks(self.tnames, sorted(self.bid, key=self.bid.__getitem__), classes, list(rank_class))
+
+
+def _block(m: ModelSpec, buf_name, buf_shape, p_tensor, p_buf, r_off, r_size, off, size, flat: bool) -> ClassCols:
+    """A block of buffers of the model's dtype from column arrays (pieces ordered by buffer)."""
+    buf_shape, r_off, r_size, off, size = (np.asarray(a, dtype=np.int64) for a in (buf_shape, r_off, r_size, off, size))
+    w = buf_shape.shape[1]
+    r_off, r_size, off, size = (_fill(a, w, f) for a, f in ((r_off, 0), (r_size, 1), (off, 0), (size, 1)))
+    n = len(p_tensor)
+    return ClassCols(buf_name=np.asarray(buf_name, dtype=np.int64), buf_dtype=np.full(len(buf_name), DTYPE_IDS[m.dtype], np.int64),
+                     buf_shape=buf_shape, buf_ndim=np.full(len(buf_name), w, np.int64), buf_padding={},
+                     p_tensor=np.asarray(p_tensor, dtype=np.int64), p_buf=np.asarray(p_buf, dtype=np.int64),
+                     p_flat=np.full(n, flat), r_off=r_off, r_size=r_size, r_ndim=np.full(n, 1 if flat else w, np.int64),
+                     off=off, size=size, ndim=np.full(n, 2, np.int64))
+
+
+def _fill(a: np.ndarray, w: int, fill: int) -> np.ndarray:
+    if a.shape[1] == w:
+        return a
+    out = np.full((a.shape[0], w), fill, dtype=np.int64)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+def _megatron_experts(ctx: _Columns, layers: list[int], etp: int, etr: int, ep: int, er: int) -> ClassCols:
+    """The routed experts of one expert rank, as columns: per layer and local expert k, buffers
+    local_experts.k.linear_fc1 ([gate; up] rows of this etp rank) and linear_fc2 (its columns of down)."""
+    m = ctx.m
+    moe = [i for i in layers if m.is_moe(i)]
+    per = m.experts // ep
+    h = m.hidden
+    pe = _div(m.moe_intermediate, etp, "moe_intermediate over expert TP")
+    q = len(moe) * per
+    names = ctx.names(("megatron", tuple(moe), per), lambda: [
+        f"decoder.layers.{i}.mlp.experts.local_experts.{k}.{w}.weight"
+        for i in moe for k in range(per) for w in ("linear_fc1", "linear_fc2")])
+    tids = ctx.expert_tids[moe][:, er * per:(er + 1) * per, :] if q else np.zeros((0, 0, 3), np.int64)
+    shapes = np.tile([[2 * pe, h], [h, pe]], (q, 1))
+    sizes = np.tile([[pe, h], [pe, h], [h, pe]], (q, 1))
+    return _block(m, names, shapes, tids.reshape(-1), (2 * np.arange(q)[:, None] + [0, 0, 1]).reshape(-1),
+                  np.tile([[0, 0], [pe, 0], [0, 0]], (q, 1)), sizes,
+                  np.tile([[etr * pe, 0], [etr * pe, 0], [0, etr * pe]], (q, 1)), sizes, flat=False)
+
+
+def _vllm_experts(ctx: _Columns, experts: np.ndarray, etp: int, er: int) -> ClassCols:
+    """vLLM FusedMoE stacks of every MoE layer as columns: w13_weight [E, 2*I/etp, H] (gate rows
+    then up rows of each expert), w2_weight [E, H, I/etp]; each expert's slab is a flat piece."""
+    m = ctx.m
+    moe = [i for i in range(m.layers) if m.is_moe(i)]
+    h, n, nl = m.hidden, len(experts), len(moe)
+    pe = _div(m.moe_intermediate, etp, "moe_intermediate over expert TP")
+    names = ctx.names(("vllm", tuple(moe)), lambda: [
+        f"model.layers.{i}.mlp.experts.{w}_weight" for i in moe for w in ("w13", "w2")])
+    tids = ctx.expert_tids[moe][:, experts, :]                                      # (nl, n, 3)
+    p_tensor = np.concatenate([tids[:, :, :2].reshape(nl, 2 * n), tids[:, :, 2]], axis=1).reshape(-1)
+    p_buf = np.repeat(2 * np.arange(nl), 3 * n) + np.tile(np.repeat([0, 1], [2 * n, n]), nl)
+    k = np.arange(n)
+    start = np.concatenate([((2 * k[:, None] * pe + [0, pe]) * h).reshape(-1), k * h * pe])  # one layer
+    r_off = np.tile(start, nl)[:, None]
+    r_size = np.full((3 * n * nl, 1), pe * h)
+    one = np.concatenate([np.tile([[er * pe, 0]], (2 * n, 1)), np.tile([[0, er * pe]], (n, 1))])
+    one_size = np.concatenate([np.tile([[pe, h]], (2 * n, 1)), np.tile([[h, pe]], (n, 1))])
+    return _block(m, names, np.tile([[n, 2 * pe, h], [n, h, pe]], (nl, 1)), p_tensor, p_buf, r_off, r_size,
+                  np.tile(one, (nl, 1)), np.tile(one_size, (nl, 1)), flat=True)
+
+
 # -- Megatron ------------------------------------------------------------------------
 
 def _stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
@@ -318,9 +442,9 @@ def _stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
 
 
 def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1, etp: int = 0, vpp: int = 1,
-             pad_multiple: int = 128) -> Layout:
+             pad_multiple: int = 128, columns: bool = True) -> Layout:
     """Megatron-core's layout (TE names). Rank order tp, cp, dp, pp (tp fastest); expert ranks fold
-    the tp*cp*dp ranks of a stage as etp (fastest), ep, expert-dp."""
+    the tp*cp*dp ranks of a stage as etp (fastest), ep, expert-dp. `columns`: as for `vllm`."""
     etp = etp or tp
     inner = tp * cp * dp
     if inner % (etp * ep):
@@ -331,19 +455,34 @@ def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, e
         raise LayoutError(f"megatron: kv_heads={m.kv_heads} (query groups) not divisible by tp={tp}")
     t = m.tensors()
     stages = _stage_layers(m.layers, pp, vpp)
-    cache: dict[tuple, tuple] = {}
-    ranks = []
+    ctx = _Columns(m, t) if columns else None
+    cache: dict[tuple, int] = {}
+    classes: list = []
+    dense: dict[tuple, ClassCols] = {}
+    routed: dict[tuple, ClassCols] = {}
+    rank_class = []
     for rank in range(inner * pp):
         tr, s, i = rank % tp, rank // inner, rank % inner
         er = (i // etp) % ep
         key = (tr, s, i % etp, er)
         if key not in cache:
-            cache[key] = _megatron_rank(m, t, tp, tr, stages[s], s == 0, s == pp - 1, etp, i % etp, ep, er, pad_multiple * tp)
-        ranks.append(cache[key])
-    return Layout(t, tuple(ranks))
+            cache[key] = len(classes)
+            args = (m, t, tp, tr, stages[s], s == 0, s == pp - 1, etp, i % etp, ep, er, pad_multiple * tp)
+            if ctx is None:
+                classes.append(_megatron_rank(*args))
+            else:
+                if (tr, s) not in dense:
+                    dense[tr, s] = ctx.block(_megatron_rank(*args, routed=False))
+                if (s, i % etp, er) not in routed:
+                    routed[s, i % etp, er] = _megatron_experts(ctx, stages[s], etp, i % etp, ep, er)
+                classes.append(concat([dense[tr, s], routed[s, i % etp, er]]))
+        rank_class.append(cache[key])
+    if ctx is None:
+        return Layout(t, tuple(classes[c] for c in rank_class))
+    return Layout(t, ctx.ranks(classes, rank_class))
 
 
-def _megatron_rank(m, t, tp, r, layers, first, last, etp, etr, ep, er, mult):
+def _megatron_rank(m, t, tp, r, layers, first, last, etp, etr, ep, er, mult, routed=True):
     bufs = []
     emb = t["model.embed_tokens.weight"]
     if first:
@@ -383,7 +522,7 @@ def _megatron_rank(m, t, tp, r, layers, first, last, etp, etr, ep, er, mult):
             continue
         bufs.append(_whole(mg + "pre_mlp_layernorm.weight", t[hf + "post_attention_layernorm.weight"]))
         bufs.append(_whole(mg + "mlp.router.weight", t[hf + "mlp.gate.weight"]))
-        per = m.experts // ep
+        per = m.experts // ep if routed else 0
         for k in range(per):
             e = er * per + k
             x, y = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{k}."

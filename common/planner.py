@@ -371,7 +371,7 @@ class Plan:
         t = self._dst_table
         c = int(t.rank_class[rank])
         rows = np.flatnonzero((t.buf_class[t.p_buf] == c) & (self._subset[t.p_tensor] if self._subset is not None else True))
-        return [(t.buf_obj[b].name, i) for b, i in zip(t.p_buf[rows].tolist(), t.p_index[rows].tolist())]
+        return [(t.buf_str[b], i) for b, i in zip(t.p_buf[rows].tolist(), t.p_index[rows].tolist())]
 
 
 def _align(n: int) -> int:
@@ -959,7 +959,8 @@ def _relay_segments(T, c: int, subset, D: int) -> dict[str, np.ndarray]:
     if subset is None:
         rb, rs, rn = [], [], []
         for b in bufs.tolist():
-            for start, n in _payload_ranges(T.buf_obj[b]):
+            shape = tuple(T.buf_shape[b, :T.buf_ndim[b]].tolist())
+            for start, n in _payload_ranges(T.buf_padding.get(b, ()), shape, int(T.buf_numel[b])):
                 rb.append(b)
                 rs.append(start)
                 rn.append(n)
@@ -993,18 +994,18 @@ def _flat_runs(box: Box, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return runs
 
 
-def _payload_ranges(buf) -> list[tuple[int, int]]:
-    """The buffer's elements outside declared padding, as contiguous (start, count) runs."""
-    if not buf.padding:
-        return [(0, buf.numel)] if buf.numel else []
-    pads = sorted(run for p in buf.padding for run in _flat_runs(p, buf.shape))
+def _payload_ranges(padding, shape: tuple[int, ...], numel: int) -> list[tuple[int, int]]:
+    """A buffer's elements outside declared padding, as contiguous (start, count) runs."""
+    if not padding:
+        return [(0, numel)] if numel else []
+    pads = sorted(run for p in padding for run in _flat_runs(p, shape))
     out, pos = [], 0
     for start, n in pads:
         if start > pos:
             out.append((pos, start - pos))
         pos = max(pos, start + n)
-    if pos < buf.numel:
-        out.append((pos, buf.numel - pos))
+    if pos < numel:
+        out.append((pos, numel - pos))
     return out
 
 

@@ -17,34 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
+from .columns import DTYPE_IDS, ClassCols, ColumnRanks, pad_rows
 from .layout import DTYPES, Layout, LocalBuffer
 
-DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
 ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
-
-
-def _pad(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = None) -> np.ndarray:
-    """Tuples of length <= n as an (len, n) int64 array, right-filled with `fill`."""
-    if lens is None:
-        lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    total = int(lens.sum())
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
-    if total == n * len(rows):
-        return flat.reshape(len(rows), n)
-    out = np.empty((len(rows), n), dtype=np.int64)
-    out.fill(fill)
-    ends = np.cumsum(lens)
-    for k in range(1, n + 1):
-        # Rows of length k: their values sit at ends-k .. ends-1 of the flat run.
-        sel = np.flatnonzero(lens == k)
-        if sel.size:
-            base = ends[sel] - k
-            out[sel, :k] = flat[base[:, None] + np.arange(k)[None, :]]
-    return out
 
 
 def row_strides(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:
@@ -80,7 +60,9 @@ class LayoutTable:
     buf_ndim: np.ndarray
     buf_numel: np.ndarray
     buf_strides: np.ndarray          # (B, D)
-    buf_obj: list[LocalBuffer]
+    buf_obj: Sequence[LocalBuffer]  # made on access
+    buf_str: list[str]               # buffer names
+    buf_padding: dict[int, tuple]    # buffer row -> declared padding boxes (buffers that have any)
     # pieces (one row per piece of each class's buffers)
     p_tensor: np.ndarray             # tensor id, -1 when unknown
     p_index: np.ndarray              # index of the piece in its buffer
@@ -102,12 +84,58 @@ class LayoutTable:
         """A digest of the layout's content, equal for equal layouts however they were built."""
         h = hashlib.sha256()
         h.update(repr((self.layout.allow_casts, self.tensor_names)).encode())
-        h.update("\0".join(b.name for b in self.buf_obj).encode())
-        h.update(repr([(i, b.padding) for i, b in enumerate(self.buf_obj) if b.padding]).encode())
+        h.update("\0".join(self.buf_str).encode())
+        h.update(repr(sorted(self.buf_padding.items())).encode())
         for a in (self.tensor_shape, self.tensor_dtype, self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape,
                   self.p_tensor, self.p_index, self.p_buf, self.p_flat, self.p_off, self.p_size, self.p_start, self.p_strides):
             h.update(np.ascontiguousarray(a))
         return h.hexdigest()[:32]
+
+
+def _classes(layout: Layout) -> tuple[list[ClassCols], list[int], list[str]]:
+    """The layout's classes as columns, each rank's class, and the buffer-name list the columns'
+    ids index. Ranks sharing one buffers object are read once."""
+    ranks = layout.ranks
+    if isinstance(ranks, ColumnRanks):
+        return ranks.classes, ranks.rank_class, ranks.buffer_names
+    tid = {n: i for i, n in enumerate(sorted(layout.tensors))}
+    by_id: dict[int, int] = {}
+    classes: list[ClassCols] = []
+    id_class = []
+    name_id: dict[str, int] = {}
+    for bufs in ranks:
+        c = by_id.get(id(bufs))
+        if c is None:
+            c = by_id[id(bufs)] = len(classes)
+            classes.append(ClassCols.from_buffers(bufs, tid, name_id))
+        id_class.append(c)
+    return classes, id_class, sorted(name_id, key=name_id.__getitem__)
+
+
+def _class_key(k: ClassCols) -> bytes:
+    """Cheap key of a class's content: both ends of its pieces (dense layers lead, experts trail)
+    and its buffer names. Equal keys are compared in full."""
+    h = hashlib.sha256()
+    h.update(np.array([k.num_pieces, k.num_buffers], dtype=np.int64))
+    n = k.num_pieces
+    for lo, hi in ((0, min(n, 64)), (max(0, n - 64), n)):
+        for a in (k.p_tensor[lo:hi], k.off[lo:hi], k.size[lo:hi]):
+            h.update(np.ascontiguousarray(a))
+    h.update(np.ascontiguousarray(k.buf_name))
+    return h.digest()
+
+
+class _Buffers:
+    """`LocalBuffer` of each buffer row, made on access (from the class's first rank)."""
+
+    def __init__(self, layout: Layout, first_rank: np.ndarray, local: np.ndarray):
+        self._layout, self._first, self._local = layout, first_rank, local
+
+    def __len__(self) -> int:
+        return len(self._local)
+
+    def __getitem__(self, b: int) -> LocalBuffer:
+        return self._layout.ranks[int(self._first[b])][int(self._local[b])]
 
 
 def build_table(layout: Layout, names: dict[str, int], side: str = "layout", require_full_buffers: bool = True,
@@ -115,127 +143,79 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     """Columns of `layout` (buffer names interned into `names`), checked unless `check` is
     false: raises LayoutError on an invalid layout."""
     tnames = sorted(layout.tensors)
-    tid = {n: i for i, n in enumerate(tnames)}
     specs = [layout.tensors[n] for n in tnames]
+    classes, id_class, lnames = _classes(layout)
 
-    # Classes: ranks sharing one buffers object are read once; distinct objects with equal
-    # content (hand-built or decoded layouts) are merged below by a digest of their columns.
-    by_id: dict[int, int] = {}
-    firsts: list[tuple] = []
-    id_class = []
-    for bufs in layout.ranks:
-        c = by_id.get(id(bufs))
-        if c is None:
-            c = by_id[id(bufs)] = len(firsts)
-            firsts.append(bufs)
-        id_class.append(c)
-
-    # One pass over the pieces of each class.
-    b_class, b_name, b_dtype, b_shape, b_obj = [], [], [], [], []
-    r_off, r_size, x_off, x_size = [], [], [], []
-    b_first, p_first = [], []
-    dt_ids = DTYPE_IDS
-    p_tens: list[str] = []
-    p_idx: list[np.ndarray] = []
-    p_bufi: list[np.ndarray] = []
-    p_flat_l: list[bool] = []
-    for c, bufs in enumerate(firsts):
-        b_first.append(len(b_obj))
-        p_first.append(len(p_tens))
-        base = len(b_obj)
-        b_obj.extend(bufs)
-        b_class.extend([c] * len(bufs))
-        b_name.extend([names.setdefault(b.name, len(names)) for b in bufs])
-        b_dtype.extend([dt_ids.get(b.dtype, -1) for b in bufs])
-        b_shape.extend([b.shape for b in bufs])
-        allp = [p for b in bufs for p in b.pieces]
-        counts = np.fromiter(map(len, (b.pieces for b in bufs)), dtype=np.int64, count=len(bufs))
-        p_tens.extend([p.tensor for p in allp])
-        p_idx.append(np.arange(len(allp)) - np.repeat(np.cumsum(counts) - counts, counts))
-        p_bufi.append(np.repeat(np.arange(base, base + len(bufs)), counts))
-        p_flat_l.extend([p.flat for p in allp])
-        regions = [p.region for p in allp]
-        boxes = [p.box for p in allp]
-        r_off.extend([r.offset for r in regions])
-        r_size.extend([r.size for r in regions])
-        x_off.extend([b.offset for b in boxes])
-        x_size.extend([b.size for b in boxes])
-    b_first.append(len(b_obj))
-    p_first.append(len(p_tens))
-    rndim = np.fromiter(map(len, r_size), dtype=np.int64, count=len(r_size))
-    ndim = np.fromiter(map(len, x_size), dtype=np.int64, count=len(x_size))
-    D = max([1] + [len(s.shape) for s in specs] + [len(s) for s in b_shape] + [int(rndim.max(initial=0)), int(ndim.max(initial=0))])
-
-    t_shape = _pad([s.shape for s in specs], D, 1)
-    t_ndim = np.array([len(s.shape) for s in specs], dtype=np.int64)
-    t_dtype = np.array([dt_ids.get(s.dtype, -1) for s in specs], dtype=np.int64)
-    bshape = _pad(b_shape, D, 1)
-    bndim = np.array([len(s) for s in b_shape], dtype=np.int64)
-    rows = np.empty((len(p_tens), 4), dtype=np.int64)
-    rows[:, 0] = np.fromiter(map(tid.get, p_tens, itertools.repeat(-1)), dtype=np.int64, count=len(p_tens))
-    rows[:, 1] = np.concatenate(p_idx) if p_idx else 0
-    rows[:, 2] = np.concatenate(p_bufi) if p_bufi else 0
-    rows[:, 3] = p_flat_l
-    del p_tens, p_idx, p_bufi, p_flat_l
-    roff, rsize = _pad(r_off, D, 0, rndim), _pad(r_size, D, 1, rndim)
-    del r_off, r_size
-    off, size = _pad(x_off, D, 0, ndim), _pad(x_size, D, 1, ndim)
-    del x_off, x_size
-    b_class_a = np.array(b_class, dtype=np.int64)
-    b_name_a = np.array(b_name, dtype=np.int64)
-    b_dtype_a = np.array(b_dtype, dtype=np.int64)
-
-    # Merge id-classes with equal content: a digest of their columns finds candidates, == decides.
-    canon = list(range(len(firsts)))
-    if len(firsts) > 1:
+    # Merge classes with equal content (hand-built or decoded layouts, replicas built apart).
+    canon = list(range(len(classes)))
+    if len(classes) > 1:
         seen: dict[bytes, list[int]] = {}
-        for c in range(len(firsts)):
-            p0, p1, b0, b1 = p_first[c], p_first[c + 1], b_first[c], b_first[c + 1]
-            # Both ends of the class (dense layers lead, experts trail): a cheap key; equal keys
-            # are compared in full.
-            h = hashlib.sha256()
-            h.update(np.array([p1 - p0, b1 - b0], dtype=np.int64))
-            for lo_, hi_ in ((p0, min(p1, p0 + 64)), (max(p0, p1 - 64), p1)):
-                for a in (rows[lo_:hi_, :2], off[lo_:hi_], size[lo_:hi_]):
-                    h.update(np.ascontiguousarray(a))
-            h.update(np.ascontiguousarray(b_name_a[b0:b1]))
-            reps = seen.setdefault(h.digest(), [])
+        for c, k in enumerate(classes):
+            reps = seen.setdefault(_class_key(k), [])
             for c0 in reps:
-                if firsts[c0] == firsts[c]:
+                if classes[c0].same(k):
                     canon[c] = c0
                     break
             else:
                 reps.append(c)
-    keep_cls = np.array([canon[c] == c for c in range(len(firsts))], dtype=bool)
-    new_id = np.cumsum(keep_cls) - 1
-    rank_class = new_id[np.array([canon[c] for c in id_class], dtype=np.int64)] if id_class else np.zeros(0, np.int64)
-    class_ranks: list[list[int]] = [[] for _ in range(int(keep_cls.sum()))]
+    keep = [c for c in range(len(classes)) if canon[c] == c]
+    new_id = {c: i for i, c in enumerate(keep)}
+    rank_class = np.array([new_id[canon[c]] for c in id_class], dtype=np.int64)
+    class_ranks: list[list[int]] = [[] for _ in keep]
     for r, c in enumerate(rank_class.tolist()):
         class_ranks[c].append(r)
-    if not keep_cls.all():
-        bkeep = keep_cls[b_class_a]
-        bmap = np.cumsum(bkeep) - 1
-        pkeep = bkeep[rows[:, 2]]
-        rows = rows[pkeep]
-        rows[:, 2] = bmap[rows[:, 2]]
-        roff, rsize, rndim, off, size, ndim = (a[pkeep] for a in (roff, rsize, rndim, off, size, ndim))
-        b_name_a, b_dtype_a, bshape, bndim = (a[bkeep] for a in (b_name_a, b_dtype_a, bshape, bndim))
-        b_class_a = new_id[b_class_a[bkeep]]
-        b_obj = [b for b, k in zip(b_obj, bkeep.tolist()) if k]
-    else:
-        b_class_a = new_id[b_class_a]
+    kept = [classes[c] for c in keep]
 
-    p_tensor, p_index, p_buf, p_flat = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3].astype(bool)
+    nb = np.cumsum([0] + [k.num_buffers for k in kept])
+    D = max([1] + [len(s.shape) for s in specs]
+            + [int(getattr(k, f).max(initial=0)) for k in kept for f in ("buf_ndim", "r_ndim", "ndim")])
+
+    def cat(f: str, fill: int | None = None) -> np.ndarray:
+        parts = [getattr(k, f) for k in kept]
+        if fill is not None:
+            parts = [a[:, :D] if a.shape[1] >= D else _widen_cols(a, D, fill) for a in parts]
+            if not parts:
+                return np.zeros((0, D), dtype=np.int64)
+        elif not parts:
+            return np.zeros(0, dtype=bool if f == "p_flat" else np.int64)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    # Buffer names interned in order of first use (both kinds of layout intern alike).
+    lname = cat("buf_name")
+    if len(lname):
+        u, first = np.unique(lname, return_index=True)
+        ids = np.empty(int(u.max()) + 1, dtype=np.int64)
+        for j in u[np.argsort(first, kind="stable")].tolist():
+            ids[j] = names.setdefault(lnames[j], len(names))
+        b_name = ids[lname]
+    else:
+        b_name = lname
+    b_class = np.repeat(np.arange(len(kept), dtype=np.int64), np.diff(nb))
+    b_local = np.arange(len(b_class), dtype=np.int64) - nb[:-1][b_class] if len(b_class) else b_class
+    bshape, bndim, b_dtype = cat("buf_shape", 1), cat("buf_ndim"), cat("buf_dtype")
+    padding: dict[int, tuple] = {}
+    for base, k in zip(nb.tolist(), kept):
+        padding.update({base + i: p for i, p in k.buf_padding.items()})
+    p_buf = np.concatenate([k.p_buf + base for base, k in zip(nb.tolist(), kept)]) if kept else np.zeros(0, np.int64)
+    counts = np.bincount(p_buf, minlength=len(b_class))
+    p_index = np.arange(len(p_buf), dtype=np.int64) - (np.cumsum(counts) - counts)[p_buf]
+    p_tensor, p_flat = cat("p_tensor"), cat("p_flat")
+    roff, rsize, rndim = cat("r_off", 0), cat("r_size", 1), cat("r_ndim")
+    off, size, ndim = cat("off", 0), cat("size", 1), cat("ndim")
+
     bnumel = bshape.prod(axis=1)
     bstrides = row_strides(bshape, bndim)
     numel = size.prod(axis=1)
     # Where each box sits in its buffer.
     start = np.where(p_flat, roff[:, 0], (roff * bstrides[p_buf]).sum(axis=1))
     strides = np.where(p_flat[:, None], row_strides(size, ndim), bstrides[p_buf])
+    first_rank = np.array([r[0] for r in class_ranks], dtype=np.int64)
 
     tbl = LayoutTable(
-        layout, D, tnames, t_shape, t_ndim, t_dtype, rank_class, class_ranks,
-        b_class_a, b_name_a, b_dtype_a, bshape, bndim, bnumel, bstrides, b_obj,
+        layout, D, tnames, pad_rows([s.shape for s in specs], D, 1), np.array([len(s.shape) for s in specs], dtype=np.int64),
+        np.array([DTYPE_IDS.get(s.dtype, -1) for s in specs], dtype=np.int64), rank_class, class_ranks,
+        b_class, b_name, b_dtype, bshape, bndim, bnumel, bstrides, _Buffers(layout, first_rank[b_class], b_local),
+        [lnames[j] for j in lname.tolist()], padding,
         p_tensor, p_index, p_buf, p_flat, off, size, ndim, start, strides, numel,
         np.zeros(len(class_ranks), dtype=bool))
     if not check:
@@ -244,6 +224,12 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     for c in np.flatnonzero(tbl.problems):
         layout.validate_rank(class_ranks[c][0], side, require_full_buffers)  # raises with the exact message
     return tbl
+
+
+def _widen_cols(a: np.ndarray, w: int, fill: int) -> np.ndarray:
+    out = np.full((a.shape[0], w), fill, dtype=np.int64)
+    out[:, :a.shape[1]] = a
+    return out
 
 
 def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None:
@@ -282,11 +268,11 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     hi = lo + last + 1
     live = t.p_numel > 0
     s_buf, s_lo, s_hi, s_n = [pb[live]], [lo[live]], [hi[live]], [t.p_numel[live]]
-    pads = [(bi, p) for bi, b in enumerate(t.buf_obj) for p in b.padding]
+    pads = [(bi, p) for bi, ps in sorted(t.buf_padding.items()) for p in ps]
     if pads:
         pb2 = np.array([bi for bi, _ in pads], dtype=np.int64)
-        poff = _pad([p.offset for _, p in pads], t.D, 0)
-        psize = _pad([p.size for _, p in pads], t.D, 1)
+        poff = pad_rows([p.offset for _, p in pads], t.D, 0)
+        psize = pad_rows([p.size for _, p in pads], t.D, 1)
         pnd = np.array([len(p.size) for _, p in pads], dtype=np.int64)
         pbad = (pnd != t.buf_ndim[pb2]) | ((poff + psize) > t.buf_shape[pb2]).any(axis=1)
         cls_bad[t.buf_class[pb2[pbad]]] = True
@@ -302,7 +288,7 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     overlap = (sb[1:] == sb[:-1]) & (sl[1:] < sh[:-1])
     cls_bad[t.buf_class[sb[1:][overlap]]] = True
     if require_full:
-        covered = np.bincount(sb, weights=sn, minlength=len(t.buf_obj)) if len(sb) else np.zeros(len(t.buf_obj))
+        covered = np.bincount(sb, weights=sn, minlength=len(t.buf_class)) if len(sb) else np.zeros(len(t.buf_class))
         gap = covered != t.buf_numel
         cls_bad[t.buf_class[gap]] = True
     t.problems = cls_bad

@@ -742,7 +742,7 @@ def test_flat_flag_changes_fingerprint():
 
 def test_table_padding_of_mixed_ranks():
     """Boxes of several ranks land in one table, right-filled (offset 0, size 1)."""
-    from reshard.common.tables import _pad
+    from reshard.common.columns import pad_rows as _pad
 
     rows = [(3,), (1, 2), (), (4, 5, 6), (7,)]
     assert _pad(rows, 3, 1).tolist() == [[3, 1, 1], [1, 2, 1], [1, 1, 1], [4, 5, 6], [7, 1, 1]]

@@ -1,0 +1,213 @@
+"""Layouts held as columns.
+
+A layout of a large model holds millions of pieces. The framework builders emit
+them as numpy columns, one block per *class* (ranks with identical buffers), and
+the planner reads those columns directly (`tables.build_table`). Python `Piece`
+and `LocalBuffer` objects are made only for the ranks someone asks for
+(`ColumnRanks[rank]`: a worker's own buffers, an error message, `to_json`).
+
+`ClassCols` is also the planner's intermediate form for layouts built from
+objects (hand-written, decoded from the wire): `from_buffers` reads them into the
+same columns, so both kinds of layout go through one path and give the same
+table, fingerprint and plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from .layout import DTYPES, Box, LocalBuffer, Piece
+
+DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
+DTYPE_NAMES = list(DTYPES)
+D_MAX = 5
+"""Widest tensor or buffer rank the columns hold (the layout algebra's 1 to 5 dimensions)."""
+
+
+def pad_rows(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = None) -> np.ndarray:
+    """Tuples of length <= n as an (len, n) int64 array, right-filled with `fill`."""
+    if lens is None:
+        lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+    if total == n * len(rows):
+        return flat.reshape(len(rows), n)
+    out = np.empty((len(rows), n), dtype=np.int64)
+    out.fill(fill)
+    ends = np.cumsum(lens)
+    for k in range(1, n + 1):
+        # Rows of length k: their values sit at ends-k .. ends-1 of the flat run.
+        sel = np.flatnonzero(lens == k)
+        if sel.size:
+            base = ends[sel] - k
+            out[sel, :k] = flat[base[:, None] + np.arange(k)[None, :]]
+    return out
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ClassCols:
+    """The buffers of one class of ranks, as columns. Widths are `D_MAX` for builder blocks
+    (trimmed by `tables.build_table`); shorter rows are padded (offset 0, size 1).
+
+    Names are ids: `buf_name` into the layout's buffer-name list, `p_tensor` into its tensor-name
+    list (-1: a tensor the layout does not declare)."""
+
+    buf_name: np.ndarray    # (B,)
+    buf_dtype: np.ndarray   # (B,) index into DTYPES, -1 unknown
+    buf_shape: np.ndarray   # (B, W)
+    buf_ndim: np.ndarray    # (B,)
+    buf_padding: dict[int, tuple[Box, ...]]
+    p_tensor: np.ndarray    # (P,)
+    p_buf: np.ndarray       # (P,) buffer row within the class; pieces are ordered by buffer
+    p_flat: np.ndarray      # (P,) bool
+    r_off: np.ndarray       # (P, W) region
+    r_size: np.ndarray
+    r_ndim: np.ndarray
+    off: np.ndarray         # (P, W) box of the canonical tensor
+    size: np.ndarray
+    ndim: np.ndarray
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.buf_name)
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.p_tensor)
+
+    def same(self, other: ClassCols) -> bool:
+        """Equal content (same ids, shapes, pieces, padding)."""
+        if self.num_buffers != other.num_buffers or self.num_pieces != other.num_pieces:
+            return False
+        if self.buf_padding != other.buf_padding:
+            return False
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _ARRAYS)
+
+    def widen(self, w: int) -> ClassCols:
+        if self.buf_shape.shape[1] >= w:
+            return self
+        return dataclasses.replace(self, **{f: _widen(getattr(self, f), w, 1 if f in _SIZES else 0) for f in _WIDE})
+
+    @staticmethod
+    def from_buffers(bufs: Sequence[LocalBuffer], tensor_id: dict[str, int], name_id: dict[str, int]) -> ClassCols:
+        """Columns of Python buffers (names interned into `name_id` in order of first use)."""
+        counts = np.fromiter(map(len, (b.pieces for b in bufs)), dtype=np.int64, count=len(bufs))
+        allp = [p for b in bufs for p in b.pieces]
+        regions = [p.region for p in allp]
+        boxes = [p.box for p in allp]
+        r_off, r_size = [r.offset for r in regions], [r.size for r in regions]
+        x_off, x_size = [b.offset for b in boxes], [b.size for b in boxes]
+        rndim = np.fromiter(map(len, r_size), dtype=np.int64, count=len(allp))
+        ndim = np.fromiter(map(len, x_size), dtype=np.int64, count=len(allp))
+        shapes = [b.shape for b in bufs]
+        bndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(bufs))
+        w = max(1, int(rndim.max(initial=0)), int(ndim.max(initial=0)), int(bndim.max(initial=0)))
+        return ClassCols(
+            buf_name=np.array([name_id.setdefault(b.name, len(name_id)) for b in bufs], dtype=np.int64),
+            buf_dtype=np.array([DTYPE_IDS.get(b.dtype, -1) for b in bufs], dtype=np.int64),
+            buf_shape=pad_rows(shapes, w, 1, bndim),
+            buf_ndim=bndim,
+            buf_padding={i: b.padding for i, b in enumerate(bufs) if b.padding},
+            p_tensor=np.fromiter(map(tensor_id.get, (p.tensor for p in allp), itertools.repeat(-1)), dtype=np.int64,
+                                 count=len(allp)),
+            p_buf=np.repeat(np.arange(len(bufs), dtype=np.int64), counts),
+            p_flat=np.fromiter((p.flat for p in allp), dtype=bool, count=len(allp)),
+            r_off=pad_rows(r_off, w, 0, rndim), r_size=pad_rows(r_size, w, 1, rndim), r_ndim=rndim,
+            off=pad_rows(x_off, w, 0, ndim), size=pad_rows(x_size, w, 1, ndim), ndim=ndim,
+        )
+
+    def to_buffers(self, tensor_names: Sequence[str], buffer_names: Sequence[str]) -> tuple[LocalBuffer, ...]:
+        """The class as Python buffers."""
+        bn, bd, bs = self.buf_name.tolist(), self.buf_ndim.tolist(), self.buf_shape.tolist()
+        dts = self.buf_dtype.tolist()
+        pt, pf = self.p_tensor.tolist(), self.p_flat.tolist()
+        ro, rs, rn = self.r_off.tolist(), self.r_size.tolist(), self.r_ndim.tolist()
+        xo, xs, xn = self.off.tolist(), self.size.tolist(), self.ndim.tolist()
+        counts = np.bincount(self.p_buf, minlength=self.num_buffers).tolist()
+        out, k = [], 0
+        for b in range(self.num_buffers):
+            pieces = []
+            for j in range(k, k + counts[b]):
+                pieces.append(Piece(tensor_names[pt[j]], Box(tuple(ro[j][:rn[j]]), tuple(rs[j][:rn[j]])),
+                                    Box(tuple(xo[j][:xn[j]]), tuple(xs[j][:xn[j]])), bool(pf[j])))
+            k += counts[b]
+            out.append(LocalBuffer(buffer_names[bn[b]], tuple(bs[b][:bd[b]]), DTYPE_NAMES[dts[b]], tuple(pieces),
+                                   self.buf_padding.get(b, ())))
+        return tuple(out)
+
+
+_WIDE = ("buf_shape", "r_off", "r_size", "off", "size")
+_SIZES = ("buf_shape", "r_size", "size")
+_ARRAYS = ("buf_name", "buf_dtype", "buf_shape", "buf_ndim", "p_tensor", "p_buf", "p_flat", "r_off", "r_size", "r_ndim",
+           "off", "size", "ndim")
+
+
+def _widen(a: np.ndarray, w: int, fill: int) -> np.ndarray:
+    out = np.full((a.shape[0], w), fill, dtype=a.dtype)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+def concat(blocks: Sequence[ClassCols]) -> ClassCols:
+    """One class made of blocks, in order (buffer rows renumbered)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    w = max(b.buf_shape.shape[1] for b in blocks)
+    blocks = [b.widen(w) for b in blocks]
+    nb = np.cumsum([0] + [b.num_buffers for b in blocks])
+    padding = {}
+    for base, b in zip(nb.tolist(), blocks):
+        padding.update({base + i: p for i, p in b.buf_padding.items()})
+    cat = {f: np.concatenate([getattr(b, f) for b in blocks]) for f in _ARRAYS if f != "p_buf"}
+    cat["p_buf"] = np.concatenate([b.p_buf + base for base, b in zip(nb.tolist(), blocks)])
+    return ClassCols(buf_padding=padding, **cat)
+
+
+class ColumnRanks(Sequence):
+    """`Layout.ranks` of a layout held as columns: rank r's buffers are made on first access and
+    kept, one tuple per class (replicas share it, as they share one tuple in a built layout)."""
+
+    def __init__(self, tensor_names: list[str], buffer_names: list[str], classes: list[ClassCols],
+                 rank_class: Sequence[int]):
+        self.tensor_names = tensor_names
+        self.buffer_names = buffer_names
+        self.classes = classes
+        self.rank_class = list(rank_class)
+        self._made: dict[int, tuple[LocalBuffer, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self.rank_class)
+
+    def cls(self, c: int) -> tuple[LocalBuffer, ...]:
+        made = self._made.get(c)
+        if made is None:
+            made = self._made[c] = self.classes[c].to_buffers(self.tensor_names, self.buffer_names)
+        return made
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self.cls(c) for c in self.rank_class[i])
+        return self.cls(self.rank_class[i])
+
+    def __iter__(self):
+        return (self.cls(c) for c in self.rank_class)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # like the layout it belongs to: compared, never hashed
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return f"ColumnRanks({len(self)} ranks, {len(self.classes)} classes)"
