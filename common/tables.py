@@ -86,9 +86,10 @@ class LayoutTable:
         h.update(repr((self.layout.allow_casts, self.tensor_names)).encode())
         h.update("\0".join(self.buf_str).encode())
         h.update(repr(sorted(self.buf_padding.items())).encode())
+        # Strides and piece indexes follow from these (buffer shapes, flat flags, piece order).
         for a in (self.tensor_shape, self.tensor_dtype, self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape,
-                  self.p_tensor, self.p_index, self.p_buf, self.p_flat, self.p_off, self.p_size, self.p_start, self.p_strides):
-            h.update(np.ascontiguousarray(a))
+                  self.p_tensor, self.p_buf, self.p_flat, self.p_off, self.p_size, self.p_start):
+            hash_array(h, a)
         return h.hexdigest()[:32]
 
 
@@ -206,9 +207,14 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     bnumel = bshape.prod(axis=1)
     bstrides = row_strides(bshape, bndim)
     numel = size.prod(axis=1)
-    # Where each box sits in its buffer.
-    start = np.where(p_flat, roff[:, 0], (roff * bstrides[p_buf]).sum(axis=1))
-    strides = np.where(p_flat[:, None], row_strides(size, ndim), bstrides[p_buf])
+    # Where each box sits in its buffer: a region of the buffer's shape, or a flat range that
+    # holds the box row-major.
+    strides = np.take(bstrides, p_buf, axis=0)
+    start = dot_rows(roff, strides)
+    fl = np.flatnonzero(p_flat)
+    if fl.size:
+        start[fl] = roff[fl, 0]
+        strides[fl] = row_strides(size[fl], ndim[fl])
     first_rank = np.array([r[0] for r in class_ranks], dtype=np.int64)
 
     tbl = LayoutTable(
@@ -240,18 +246,19 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     tix = np.where(known, t.p_tensor, 0)
     pb = t.p_buf
     # Box inside its tensor, same rank.
-    bad |= t.p_ndim != t.tensor_ndim[tix]
-    bad |= ((t.p_off + t.p_size) > t.tensor_shape[tix]).any(axis=1)
+    bad |= t.p_ndim != np.take(t.tensor_ndim, tix)
+    bad |= ((t.p_off + t.p_size) > np.take(t.tensor_shape, tix, axis=0)).any(axis=1)
     # Dtype: the buffer's must be the tensor's unless casts are declared.
+    bdt = np.take(t.buf_dtype, pb)
     if not t.layout.allow_casts:
-        bad |= t.buf_dtype[pb] != t.tensor_dtype[tix]
-    bad |= t.buf_dtype[pb] < 0
+        bad |= bdt != np.take(t.tensor_dtype, tix)
+    bad |= bdt < 0
     # Regions.
     flat = t.p_flat
-    bad |= flat & ((rndim != 1) | (rsize[:, 0] != t.p_numel) | (roff[:, 0] + rsize[:, 0] > t.buf_numel[pb]))
+    bad |= flat & ((rndim != 1) | (rsize[:, 0] != t.p_numel) | (roff[:, 0] + rsize[:, 0] > np.take(t.buf_numel, pb)))
     nf = ~flat
-    bad |= nf & ((rndim != t.p_ndim) | (rndim != t.buf_ndim[pb]) | (rsize != t.p_size).any(axis=1)
-                 | ((roff + rsize) > t.buf_shape[pb]).any(axis=1))
+    bad |= nf & ((rndim != t.p_ndim) | (rndim != np.take(t.buf_ndim, pb)) | (rsize != t.p_size).any(axis=1)
+                 | ((roff + rsize) > np.take(t.buf_shape, pb, axis=0)).any(axis=1))
     cls_bad = np.zeros(t.num_classes, dtype=bool)
     np.logical_or.at(cls_bad, t.buf_class[pb[bad]], True)
 
@@ -264,10 +271,12 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     # Disjointness and coverage inside each buffer, on linear spans: pieces and padding whose
     # spans do not overlap are disjoint (a sufficient test).
     lo = t.p_start
-    last = ((t.p_size - 1) * t.p_strides).sum(axis=1)
-    hi = lo + last + 1
+    hi = lo + dot_rows(t.p_size - 1, t.p_strides) + 1
     live = t.p_numel > 0
-    s_buf, s_lo, s_hi, s_n = [pb[live]], [lo[live]], [hi[live]], [t.p_numel[live]]
+    if live.all():
+        s_buf, s_lo, s_hi, s_n = [pb], [lo], [hi], [t.p_numel]
+    else:
+        s_buf, s_lo, s_hi, s_n = [pb[live]], [lo[live]], [hi[live]], [t.p_numel[live]]
     pads = [(bi, p) for bi, ps in sorted(t.buf_padding.items()) for p in ps]
     if pads:
         pb2 = np.array([bi for bi, _ in pads], dtype=np.int64)
@@ -282,9 +291,11 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
         phi = plo + ((psize - 1) * st).sum(axis=1) + 1
         keep = pn > 0
         s_buf.append(pb2[keep]); s_lo.append(plo[keep]); s_hi.append(phi[keep]); s_n.append(pn[keep])
-    sb, sl, sh, sn = (np.concatenate(x) for x in (s_buf, s_lo, s_hi, s_n))
-    o = np.lexsort((sl, sb))
-    sb, sl, sh, sn = sb[o], sl[o], sh[o], sn[o]
+    sb, sl, sh, sn = (np.concatenate(x) if len(x) > 1 else x[0] for x in (s_buf, s_lo, s_hi, s_n))
+    # Builders lay pieces out in buffer order: sort only when they are not.
+    if len(sb) and not ((sb[1:] > sb[:-1]) | ((sb[1:] == sb[:-1]) & (sl[1:] >= sl[:-1]))).all():
+        o = np.lexsort((sl, sb))
+        sb, sl, sh, sn = (np.take(a, o) for a in (sb, sl, sh, sn))
     overlap = (sb[1:] == sb[:-1]) & (sl[1:] < sh[:-1])
     cls_bad[t.buf_class[sb[1:][overlap]]] = True
     if require_full:
@@ -292,6 +303,29 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
         gap = covered != t.buf_numel
         cls_bad[t.buf_class[gap]] = True
     t.problems = cls_bad
+
+
+def dot_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise dot product of two (n, D) integer arrays (a new array)."""
+    out = a[:, 0] * b[:, 0]
+    for d in range(1, a.shape[1]):
+        out += a[:, d] * b[:, d]
+    return out
+
+
+def hash_array(h, a: np.ndarray) -> None:
+    """Feed an array to hash `h`: its shape, then its values in the narrowest of int8 to int64
+    that holds them (fewer bytes to hash; equal values hash alike whatever their width)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.kind == "i" and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        for t in (np.int8, np.int16, np.int32):
+            info = np.iinfo(t)
+            if info.min <= lo and hi <= info.max:
+                a = a.astype(t)
+                break
+    h.update(f"{a.shape}{a.dtype.str}".encode())
+    h.update(a)
 
 
 def unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
