@@ -313,27 +313,37 @@ def _owner_items(src: Layout) -> dict[int, list[OwnerItem]]:
     return dict(out)
 
 
-def owner_broadcast_counts(src: Layout, dst: Layout) -> dict:
-    """What the owner broadcast moves and copies: per owner the bytes it broadcasts, the bytes and
-    boxes it must pack (not contiguous in its buffer); per inference rank (global) the copies it
-    makes (one per box x piece overlap); the largest box."""
+def owner_broadcast_windows(src: Layout, dst: Layout) -> list[dict]:
+    """What the owner broadcast moves, window by window, as `_broadcast` runs it: in window k,
+    every owner's k-th box, (owner, bytes, packed: not contiguous in its buffer); and per
+    inference rank (global) the bytes it copies out and the copies it makes (one per box x piece
+    overlap)."""
     items = _owner_items(src)
-    by_tensor: dict[str, list] = defaultdict(list)
-    for v in items.values():
-        for it in v:
-            by_tensor[it.tensor].append(it.box)
-    dst_ops: dict[int, float] = defaultdict(float)
+    pieces: dict[int, dict[str, list]] = {}
     for d, bufs in enumerate(dst.ranks):
+        mine: dict[str, list] = defaultdict(list)
         for b in bufs:
             for p in b.pieces:
-                dst_ops[src.world + d] += sum(1 for box in by_tensor[p.tensor] if box.intersect(p.box) is not None)
-    return {
-        "sent": {o: float(sum(i.nbytes for i in v)) for o, v in items.items()},
-        "packed": {o: float(sum(i.nbytes for i in v if not i.contiguous)) for o, v in items.items()},
-        "pack_ops": {o: float(sum(1 for i in v if not i.contiguous)) for o, v in items.items()},
-        "dst_ops": dict(dst_ops),
-        "largest": float(max((i.nbytes for v in items.values() for i in v), default=1)),
-    }
+                mine[p.tensor].append(p)
+        pieces[src.world + d] = mine
+    windows = []
+    for k in range(max((len(v) for v in items.values()), default=0)):
+        batch = [it for _, v in sorted(items.items()) if k < len(v) for it in (v[k],)]
+        keep: dict[int, list[float]] = {}
+        for d, mine in pieces.items():
+            n = ops = 0.0
+            for it in batch:
+                size = dtype_of(it.dtype).itemsize
+                for p in mine.get(it.tensor, ()):
+                    inter = p.box.intersect(it.box)
+                    if inter is not None:
+                        n += inter.numel * size
+                        ops += 1
+            keep[d] = (n, ops)
+        owners = [o for o, v in sorted(items.items()) if k < len(v)]
+        windows.append({"items": [(o, float(it.nbytes), not it.contiguous) for o, it in zip(owners, batch)],
+                        "keep": keep})
+    return windows
 
 
 # -- calibration: this machine's transport, measured apart from any layout -----------------
@@ -352,21 +362,72 @@ def ping_pong(t: Transport, me: int, peer: int, nbytes: int, iters: int, deadlin
     return (time.perf_counter() - t0) / iters
 
 
-def stream(t: Transport, me: int, peer: int, sender: bool, nbytes: int, count: int, deadline: float) -> float:
-    """One-way stream of `count` messages of `nbytes`, then a 1-byte acknowledgement. Seconds."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
+def stream(t: Transport, me: int, peer: int, sender: bool, bufs: list[torch.Tensor], count: int,
+           deadline: float) -> float:
+    """One-way stream of `count` messages (the first buffer of `bufs` on the sender; the receiver
+    cycles through them), then a 1-byte acknowledgement. Seconds. The buffers are allocated and
+    touched by the caller, as the update's buffers are: a fresh allocation's page faults are not
+    the link's rate (on this machine they fill memory at well under 1 GB/s)."""
     ack = torch.zeros(1, dtype=torch.uint8)
     t0 = time.perf_counter()
     if sender:
-        _wait_all([t.send(buf, peer, 500 + i) for i in range(count)], deadline)
+        _wait_all([t.send(bufs[0], peer, 500 + i) for i in range(count)], deadline)
         t.recv(ack, peer, 499).wait(_timeout(deadline))
     else:
-        # Touched in advance, as the update's destination buffers are: first-touch page faults
-        # are not part of the link's rate (and are expensive on some VMs).
-        bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(min(count, 2))]
         _wait_all([t.recv(bufs[i % len(bufs)], peer, 500 + i) for i in range(count)], deadline)
         t.send(ack, peer, 499).wait(_timeout(deadline))
     return time.perf_counter() - t0
+
+
+def round_trip_rounds(t: Transport, me: int, senders: range, receivers: range, rounds: int, deadline: float) -> None:
+    """`rounds` synchronisation steps of point-to-point messages: in each, every sender posts a
+    64-byte message to every receiver, and everyone waits for theirs (an update's rounds, without
+    the bytes)."""
+    buf = torch.zeros(64 * max(len(senders), len(receivers)), dtype=torch.uint8)
+    for r in range(rounds):
+        works = []
+        if me in senders:
+            works = [t.send(buf[:64], d, 700 + r) for d in receivers]
+        elif me in receivers:
+            works = [t.recv(buf[i * 64 : (i + 1) * 64], s, 700 + r) for i, s in enumerate(senders)]
+        _wait_all(works, deadline)
+
+
+def broadcast_windows(t: Transport, me: int, owners: range, receivers: range, windows: int, deadline: float) -> None:
+    """`windows` steps of concurrent broadcasts: in each, every owner broadcasts 64 bytes to every
+    receiver, and the receivers wait for all of them (the owner broadcast's windows, without the bytes)."""
+    buf = torch.zeros(64 * len(owners), dtype=torch.uint8)
+    members = {o: (o, *receivers) for o in owners}
+    for _ in range(windows):
+        if me in owners:
+            t.broadcast(buf[:64], members[me]).wait(_timeout(deadline))
+        elif me in receivers:
+            _wait_all([t.broadcast(buf[i * 64 : (i + 1) * 64], members[o]) for i, o in enumerate(owners)], deadline)
+
+
+def checksum_op_seconds(n: int = 200) -> float:
+    """Fixed cost of one checksum of a small box (a piece's or a segment's), each at its own
+    position in a tensor, as the engine and the receivers compute them: seconds."""
+    from .checksum import box_checksum
+
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    for i in range(n):
+        box_checksum(x, (8 * i, 64 * i), (8 * n, 64 * n))
+    return (time.perf_counter() - t0) / n
+
+
+def checksum_gbps(nbytes: int = 32 << 20, iters: int = 3) -> float:
+    """Checksum rate of this process (`box_checksum` over a bf16 matrix), GB/s."""
+    from .checksum import box_checksum
+
+    cols = 4096
+    x = torch.randn(max(1, nbytes // (cols * 2)), cols).to(torch.bfloat16)
+    box_checksum(x, (0, 0), tuple(x.shape))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        box_checksum(x, (0, 0), tuple(x.shape))
+    return iters * x.numel() * 2 / (time.perf_counter() - t0) / 1e9
 
 
 def copy_op_seconds(n: int = 2000) -> float:

@@ -64,7 +64,21 @@ class Cluster:
     copy_op_s: float = 0.0
     """Fixed cost of one packing/unpacking copy (one segment), seconds."""
     node_cpu_gbps: float = 0.0
-    """Wire bytes per second one node's shared CPU can move (0: no shared-CPU limit)."""
+    """Wire GB/s all ranks of a shared host move together, at least `cores` streams at once
+    (the local profile; used when `cores` is set)."""
+    cores: int = 0
+    """Cores of a shared host (the local profile): every rank of a node is a process on the same
+    cores, so their CPU work adds up there (0: ranks have hardware of their own, as GPUs do)."""
+    checksum_gbps: float = 0.0
+    """Checksum rate of one rank (one core), GB/s (0: verification is not modelled)."""
+    checksum_op_s: float = 0.0
+    """Fixed cost of one checksum (one box), seconds."""
+    round_s: float = 0.0
+    """One synchronisation step of point-to-point messages (post, rendezvous, wait), seconds."""
+    collective_s: float = 0.0
+    """One step of the broadcasts that run at once (the owners' k-th boxes), seconds."""
+    start_s: float = 0.0
+    """Fixed cost of one update: its first step, with the timing harness's start (seconds)."""
     broadcast: str = "ring"
     """How the baseline broadcasts: 'ring' (NCCL, pipelined, one ring per GPU of a node) or 'tree' (gloo)."""
     colocated: bool = False
@@ -76,8 +90,12 @@ class Cluster:
         for f in ("nvlink_gbps", "nic_gbps"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
-        if min(self.latency_s, self.copy_gbps, self.copy_op_s, self.node_cpu_gbps) < 0:
-            raise ValueError("latency_s, copy_gbps, copy_op_s and node_cpu_gbps must not be negative")
+        costs = ("latency_s", "copy_gbps", "copy_op_s", "node_cpu_gbps", "cores", "checksum_gbps", "checksum_op_s", "round_s",
+                 "collective_s", "start_s")
+        if min(getattr(self, f) for f in costs) < 0:
+            raise ValueError(f"{', '.join(costs)} must not be negative")
+        if self.cores and not (self.node_cpu_gbps and self.copy_gbps):
+            raise ValueError("a shared host (cores > 0) needs node_cpu_gbps and copy_gbps")
         if self.broadcast not in ("ring", "tree"):
             raise ValueError(f"broadcast must be 'ring' or 'tree', not {self.broadcast!r}")
 
@@ -118,6 +136,15 @@ class Phase:
     overlaps_previous: bool = False
     """Runs at the same time as the phase before it (relays overlap the source phase): the
     two share their ports and are timed as one."""
+    checksums: dict[int, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
+    """Rank -> bytes it checksums in this phase."""
+    checksum_ops: dict[int, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
+    """Rank -> checksums (boxes) it computes in this phase."""
+    steps: float = 0.0
+    """Synchronisation steps the phase runs one after another (rounds, broadcast windows)."""
+    step: str = "round"
+    """What one step costs: 'round' (point-to-point, `round_s`), 'collective' (`collective_s`) or
+    'message' (one message waited for in turn, `latency_s`)."""
 
     def add(self, a: int, b: int, nbytes: float, messages: float = 1.0) -> None:
         cur = self.links.get((a, b))
@@ -174,10 +201,11 @@ class _Placement:
 
 def phase_time(c: Cluster, src_world: int, dst_world: int, ph: Phase, hierarchical: bool = False) -> PhaseResult:
     """Seconds of one phase on cluster `c` and the resource that sets them."""
+    if c.cores:
+        return _shared_host_time(c, src_world, dst_world, ph)
     pl = _Placement(c, src_world, dst_world)
     res: dict[tuple[str, str, int], float] = defaultdict(float)
     nvl, nic, lat, g = c.nvlink_gbps * GB, c.nic_gbps * GB, c.latency_s, c.gpus_per_node
-    cpu: dict[int, float] = defaultdict(float)
     for (a, b), (n, msgs) in ph.links.items():
         na, nb = pl.node(a), pl.node(b)
         if na == nb:
@@ -192,40 +220,74 @@ def phase_time(c: Cluster, src_world: int, dst_world: int, ph: Phase, hierarchic
         else:
             res[("nic egress", "rank", a)] += n / nic + msgs * lat
             res[("nic ingress", "rank", b)] += n / nic
-        if c.node_cpu_gbps:
-            # On shared cores the per-message cost is CPU work too (Python, the transport, syscalls).
-            if na == nb:
-                cpu[na] += n / (c.node_cpu_gbps * GB) + msgs * lat
-            else:
-                cpu[na] += n / 2 / (c.node_cpu_gbps * GB) + msgs * lat
-                cpu[nb] += n / 2 / (c.node_cpu_gbps * GB)
-    for r in set(ph.copies) | set(ph.copy_ops):
-        t = (ph.copies.get(r, 0.0) / (c.copy_gbps * GB) if c.copy_gbps else 0.0) + ph.copy_ops.get(r, 0.0) * c.copy_op_s
-        if not t:
-            continue
-        if c.node_cpu_gbps:
-            cpu[pl.node(r)] += t
-        else:
-            res[("copies", "rank", r)] += t
-    for node, t in cpu.items():
-        res[("shared CPU", "node", node)] = t
+    for r, t in _cpu_work(c, ph).items():
+        res[("copies", "rank", r)] += t
     if not res:
         return PhaseResult(ph.name, 0.0, "nothing to move", 0.0)
     key = max(sorted(res), key=lambda k: res[k])
-    seconds = res[key]
-    if ph.fill_steps and ph.links:
-        # One pipelined step per extra chain link: the largest relay message on the slowest link used.
-        slowest = min(nvl if pl.node(a) == pl.node(b) else nic for a, b in ph.links)
-        seconds += ph.fill_steps * (ph.fill_bytes / slowest + lat)
+    seconds = res[key] + _steps_and_fill(c, pl, ph)
     what, scope, who = key
     where = pl.name(who) if scope == "rank" else pl.node_name(who)
     return PhaseResult(ph.name, seconds, f"{what} of {where}", ph.wire_bytes)
 
 
+def _cpu_work(c: Cluster, ph: Phase) -> dict[int, float]:
+    """Seconds of packing, unpacking and checksumming each rank does in the phase, on one core."""
+    out: dict[int, float] = defaultdict(float)
+    for r in set(ph.copies) | set(ph.copy_ops) | set(ph.checksums) | set(ph.checksum_ops):
+        t = ph.copies.get(r, 0.0) / (c.copy_gbps * GB) if c.copy_gbps else 0.0
+        t += ph.copy_ops.get(r, 0.0) * c.copy_op_s
+        if c.checksum_gbps:
+            t += ph.checksums.get(r, 0.0) / (c.checksum_gbps * GB)
+        t += ph.checksum_ops.get(r, 0.0) * c.checksum_op_s
+        if t:
+            out[r] = t
+    return out
+
+
+def _steps_and_fill(c: Cluster, pl: _Placement, ph: Phase) -> float:
+    """The phase's synchronisation steps, and one pipelined step per extra chain link (the
+    largest relay message on the slowest link used)."""
+    t = ph.steps * {"collective": c.collective_s, "message": c.latency_s}.get(ph.step, c.round_s)
+    if ph.fill_steps and ph.links:
+        slowest = min(c.nvlink_gbps if pl.node(a) == pl.node(b) else c.nic_gbps for a, b in ph.links) * GB
+        t += ph.fill_steps * (ph.fill_bytes / slowest + c.latency_s)
+    return t
+
+
+def _shared_host_time(c: Cluster, src_world: int, dst_world: int, ph: Phase) -> PhaseResult:
+    """A phase on a shared host (the local profile: one process per rank, all on `c.cores` cores).
+
+    Each rank is a process that does its own work in turn: the bytes it sends and receives at
+    the one-pair rate (`nvlink_gbps`, or `nic_gbps` across nodes), then its packing, unpacking
+    and checksums. All of a node's processes share its cores: the wire bytes of every link at
+    the aggregate rate of concurrent streams (`node_cpu_gbps`), plus everyone's CPU work over
+    the cores. The phase lasts as long as the busier of the two, plus its steps and fill.
+    """
+    pl = _Placement(c, src_world, dst_world)
+    res: dict[tuple[str, str, int], float] = defaultdict(float)
+    for (a, b), (n, _) in ph.links.items():
+        rate = (c.nvlink_gbps if pl.node(a) == pl.node(b) else c.nic_gbps) * GB
+        res[("process", "rank", a)] += n / rate
+        res[("process", "rank", b)] += n / rate
+        res[("shared CPU", "node", pl.node(a))] += n / (c.node_cpu_gbps * GB)
+    for r, t in _cpu_work(c, ph).items():
+        res[("process", "rank", r)] += t
+        res[("shared CPU", "node", pl.node(r))] += t / c.cores
+    extra = _steps_and_fill(c, pl, ph)
+    if not res:
+        return PhaseResult(ph.name, extra, "synchronisation steps" if extra else "nothing to move", 0.0)
+    key = max(sorted(res), key=lambda k: res[k])
+    what, scope, who = key
+    where = pl.name(who) if scope == "rank" else pl.node_name(who)
+    return PhaseResult(ph.name, res[key] + extra, f"{what} of {where}", ph.wire_bytes)
+
+
 def merge_phases(a: Phase, b: Phase) -> Phase:
     """Two concurrent phases as one: their loads add up on every port; b's pipeline fill stays."""
     out = Phase(f"{a.name}+{b.name}", {k: list(v) for k, v in a.links.items()},
-                fill_steps=max(a.fill_steps, b.fill_steps), fill_bytes=max(a.fill_bytes, b.fill_bytes))
+                fill_steps=max(a.fill_steps, b.fill_steps), fill_bytes=max(a.fill_bytes, b.fill_bytes),
+                steps=max(a.steps, b.steps), step=a.step)
     for k, (nb, nm) in b.links.items():
         out.add(k[0], k[1], nb, nm)
     for src in (a, b):
@@ -233,6 +295,10 @@ def merge_phases(a: Phase, b: Phase) -> Phase:
             out.copies[r] += v
         for r, v in src.copy_ops.items():
             out.copy_ops[r] += v
+        for r, v in src.checksums.items():
+            out.checksums[r] += v
+        for r, v in src.checksum_ops.items():
+            out.checksum_ops[r] += v
     return out
 
 
@@ -241,7 +307,7 @@ def predict(c: Cluster, src_world: int, dst_world: int, phases: list[Phase], hie
     for ph in phases:
         timed.append(merge_phases(timed.pop(), ph) if ph.overlaps_previous and timed else ph)
     results = [phase_time(c, src_world, dst_world, ph, hierarchical) for ph in timed]
-    total = sum(r.seconds for r in results)
+    total = sum(r.seconds for r in results) + (c.start_s if results else 0.0)
     busiest = max(results, key=lambda r: r.seconds) if results else None
     bottleneck = f"{busiest.bottleneck}, in the {busiest.name} phase" if busiest and busiest.seconds else "nothing to move"
     return Prediction(total, bottleneck, results)
@@ -274,13 +340,23 @@ def _relay_depth(plan: Plan) -> int:
     return max(sizes.values(), default=0)
 
 
-def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True) -> list[Phase]:
-    """The plan's messages as phases: source (trainer -> inference), then relays.
-    `copies=False` leaves out packing (the raw ceiling: plain buffers)."""
+def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True,
+                 checksums: bool = False) -> list[Phase]:
+    """The plan's messages as phases: source (trainer -> inference), then relays, one
+    synchronisation step per round. `copies=False` leaves out packing (the raw ceiling: plain
+    buffers). `checksums=True` adds verification: senders checksum what they send, during the
+    transfer; then every inference rank checksums what it received, after one exchange step."""
     S = plan.src_world
     src, relay = Phase("source"), Phase("relay")
     if weight is None:
         _table_traffic(plan, src, relay, copies)
+    # A sender packs its first round before it posts anything; later rounds are packed while the
+    # round before is in flight. The first round's packing is a phase of its own.
+    t = plan.message_table()
+    sent = ~t["relay"]
+    first = np.full(S, np.iinfo(np.int64).max)
+    np.minimum.at(first, t["src"][sent], t["round"][sent])
+    lead = Phase("first packing")
     for m in (plan.messages if weight is not None else ()):
         w = _message_weight(m, weight)
         a = S + m.src if m.relay else m.src
@@ -289,8 +365,9 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True) 
         ph.add(a, b, m.wire_bytes * w, w)
         if copies:
             if not m.send_direct:
-                ph.copies[a] += m.nbytes * w
-                ph.copy_ops[a] += len(m.segments) * w
+                packing = lead if (not m.relay and m.round == first[m.src]) else ph
+                packing.copies[a] += m.nbytes * w
+                packing.copy_ops[a] += len(m.segments) * w
             if not m.recv_direct:
                 ph.copies[b] += m.nbytes * w
                 ph.copy_ops[b] += len(m.segments) * w
@@ -301,7 +378,35 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True) 
     # The engine starts each relay as soon as its buffers have landed: relays run during the
     # source phase, not after it.
     relay.overlaps_previous = True
-    return [p for p in (src, relay) if p.links]
+    src.steps = float(plan.num_rounds)
+    phases = [p for p in (src, relay) if p.links]
+    a = np.where(t["relay"], S + t["src"], t["src"])
+    b = S + t["dst"]
+    if copies and weight is None and sent.any():
+        sel = sent & ~t["sd"] & (t["round"] == first[np.where(sent, t["src"], 0)])
+        nb = np.bincount(t["src"][sel], weights=t["nbytes"][sel], minlength=S)
+        ns = np.bincount(t["src"][sel], weights=t["segments"][sel], minlength=S)
+        for r in np.flatnonzero(nb).tolist():
+            lead.copies[r] += float(nb[r])
+            lead.copy_ops[r] += float(ns[r])
+            src.copies[r] -= float(nb[r])
+            src.copy_ops[r] -= float(ns[r])
+    if lead.copies:
+        phases.insert(0, lead)
+    if checksums:
+        # Senders checksum every segment they send, during the transfer; after an exchange (each
+        # inference rank receives two messages from every trainer rank, in turn), every inference
+        # rank checksums what it received.
+        verify = Phase("verify", steps=2.0 * S, step="message")
+        for ranks, ph, rows in ((a, src, sent), (b, verify, np.ones_like(sent))):
+            ur, ri = np.unique(ranks[rows], return_inverse=True)
+            nb = np.bincount(ri, weights=t["nbytes"][rows], minlength=len(ur))
+            ns = np.bincount(ri, weights=t["segments"][rows], minlength=len(ur))
+            for r, n, k in zip(ur.tolist(), nb.tolist(), ns.tolist()):
+                ph.checksums[r] += n
+                ph.checksum_ops[r] += k
+        phases.append(verify)
+    return phases
 
 
 def _table_traffic(plan: Plan, src: Phase, relay: Phase, copies: bool) -> None:
@@ -371,21 +476,31 @@ def gather_bytes(src: Layout, weight: Weight | None = None):
     return dict(sent), dict(copies), local, dict(ops)
 
 
+def gloo_tree(n: int) -> list[list[tuple[int, int]]]:
+    """gloo's broadcast among n members, root 0: member v receives from v minus its highest set
+    bit, then sends to v + 2**i for every higher bit i, all at once. Edges by generation (the
+    number of set bits of the receiver): generation g starts when g - 1 has delivered."""
+    gens: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for v in range(1, n):
+        gens[v.bit_count()].append((v - (1 << (v.bit_length() - 1)), v))
+    return [gens[g] for g in sorted(gens)]
+
+
 def broadcast_phases(c: Cluster, root: int, members: list[int], nbytes: float, bucket_bytes: float) -> list[Phase]:
-    """`nbytes` from `root` to every other member: a binomial tree (one phase per level, whole
-    buffers) for 'tree', or one pipelined phase of G rings (one per GPU of a node) for 'ring'."""
+    """`nbytes` from `root` to every other member, in buckets of `bucket_bytes`: gloo's binomial
+    tree for 'tree' (one phase: every edge carries every bucket, the buckets pipelined through the
+    generations, plus one collective step per bucket), or one pipelined phase of G rings (one per
+    GPU of a node) for 'ring'."""
     order = [root] + [m for m in members if m != root]
     msgs = max(1.0, nbytes / bucket_bytes)
     if c.broadcast == "tree":
-        phases, have, level = [], 1, 0
-        while have < len(order):
-            ph = Phase(f"broadcast level {level}")
-            for i in range(min(have, len(order) - have)):
-                ph.add(order[i], order[i + have], nbytes, msgs)
-            phases.append(ph)
-            have *= 2
-            level += 1
-        return phases
+        gens = gloo_tree(len(order))
+        ph = Phase("broadcast", steps=math.ceil(msgs), step="collective",
+                   fill_steps=max(0, len(gens) - 1), fill_bytes=min(nbytes, bucket_bytes))
+        for edges in gens:
+            for a, b in edges:
+                ph.add(order[a], order[b], nbytes, msgs)
+        return [ph]
     ph = Phase("broadcast")
     g = c.gpus_per_node
     rings = max(1, min(g, len(order) - 1))
@@ -399,21 +514,27 @@ def broadcast_phases(c: Cluster, root: int, members: list[int], nbytes: float, b
 
 def serialized_traffic(c: Cluster, src: Layout, dst_world: int, payload_bytes: float, dst_keep: dict[int, float],
                        bucket_bytes: float = 256 << 20, weight: Weight | None = None,
-                       dst_pieces: dict[int, float] | None = None) -> list[Phase]:
-    """Our serialized baseline: gather on trainer rank 0, then broadcast whole tensors from it.
-    `dst_keep`: global inference rank -> bytes it keeps (copied out of each bucket);
+                       dst_pieces: dict[int, float] | None = None, gather_bucket: float = 32 << 20) -> list[Phase]:
+    """Our serialized baseline: trainer rank 0 copies its own shards, gathers the others' (rounds
+    of `gather_bucket`), then broadcasts whole tensors in buckets, packing each from the gathered
+    tensors. `dst_keep`: global inference rank -> bytes it keeps (copied out of each bucket);
     `dst_pieces`: how many pieces (copies) that takes."""
     S = src.world
     sent, gcopies, local, gops = gather_bytes(src, weight)
-    gather = Phase("gather")
+    phases = []
+    if local:  # before rank 0 posts a receive: the others wait
+        own = Phase("local copy")
+        own.copies[0] += local
+        phases.append(own)
+    gather = Phase("gather", steps=math.ceil(max(sent.values(), default=0.0) / gather_bucket))
     for r, n in sent.items():
-        gather.add(r, 0, n, max(1.0, n / (16 << 20)))
+        gather.add(r, 0, n, max(1.0, n / gather_bucket))
     for r, n in gcopies.items():
         gather.copies[r] += n
     for r, n in gops.items():
         gather.copy_ops[r] += n
-    gather.copies[0] += local
-    phases = [gather] if gather.links else []
+    if gather.links:
+        phases.append(gather)
     members = [0] + list(range(S, S + dst_world))
     bphases = broadcast_phases(c, 0, members, payload_bytes, bucket_bytes)
     ntensors = float(len(src.tensors))
@@ -425,25 +546,32 @@ def serialized_traffic(c: Cluster, src: Layout, dst_world: int, payload_bytes: f
     return phases + bphases
 
 
-def owner_broadcast_traffic(c: Cluster, src_world: int, dst_world: int, owner_bytes: dict[int, float],
-                            owner_copies: dict[int, float], dst_keep: dict[int, float], item_bytes: float,
-                            owner_ops: dict[int, float] | None = None,
-                            dst_ops: dict[int, float] | None = None) -> list[Phase]:
-    """Per-tensor broadcast from the owning trainer ranks, all owners at once: each owner's
-    pieces reach every inference rank; receivers copy out what they keep."""
-    ph = Phase("owner broadcast")
+def owner_broadcast_traffic(c: Cluster, src_world: int, dst_world: int, windows: list[dict]) -> list[Phase]:
+    """Per-tensor broadcast from the owning trainer ranks, window by window: in window k every
+    owner broadcasts its k-th box to every inference rank, all owners at once; then the receivers
+    copy out what they keep, before they join the next window. Two phases per window.
+
+    `windows[k]`: {"items": [(owner, nbytes, packed)], "keep": {global inference rank: (bytes, copies)}};
+    an owner packs a box that is not contiguous in its buffer (`packed`)."""
     members = list(range(src_world, src_world + dst_world))
-    for o, n in owner_bytes.items():
-        for sub in broadcast_phases(c, o, [o, *members], n, item_bytes):
-            for (a, b), (nb, msgs) in sub.links.items():
-                ph.add(a, b, nb, msgs)
-    for o, n in owner_copies.items():
-        ph.copies[o] += n
-    for d, n in dst_keep.items():
-        ph.copies[d] += n
-    for r, n in list((owner_ops or {}).items()) + list((dst_ops or {}).items()):
-        ph.copy_ops[r] += n
-    return [ph]
+    phases = []
+    for k, w in enumerate(windows):
+        ph = Phase(f"owner broadcast window {k}", steps=1.0, step="collective")
+        for o, n, packed in w["items"]:
+            for sub in broadcast_phases(c, o, [o, *members], n, max(n, 1.0)):
+                for (a, b), (nb, msgs) in sub.links.items():
+                    ph.add(a, b, nb, msgs)
+            if sub.fill_steps and n >= ph.fill_bytes:
+                ph.fill_steps, ph.fill_bytes = sub.fill_steps, n
+            if packed:
+                ph.copies[o] += n
+                ph.copy_ops[o] += 1
+        out = Phase(f"copy-out of window {k}")
+        for d, (n, ops) in w["keep"].items():
+            out.copies[d] += n
+            out.copy_ops[d] += ops
+        phases += [ph, out]
+    return phases
 
 
 # -- presets --------------------------------------------------------------------------
@@ -504,7 +632,9 @@ def scale_phases(phases: list[Phase], factor: float) -> list[Phase]:
     for ph in phases:
         q = Phase(ph.name, {k: [v[0] * factor, v[1]] for k, v in ph.links.items()},
                   defaultdict(float, {r: n * factor for r, n in ph.copies.items()}), defaultdict(float, ph.copy_ops),
-                  ph.fill_steps, ph.fill_bytes * factor, ph.overlaps_previous)
+                  ph.fill_steps, ph.fill_bytes * factor, ph.overlaps_previous,
+                  defaultdict(float, {r: n * factor for r, n in ph.checksums.items()}),
+                  defaultdict(float, ph.checksum_ops), ph.steps, ph.step)
         out.append(q)
     return out
 

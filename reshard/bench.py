@@ -54,41 +54,97 @@ def _control_group(host: str, port: int, prefix: str, rank: int, world: int):
     return ProcessGroupGloo(PrefixStore(prefix, store), rank, world, timeout)
 
 
-def _calibrate(g: int, world: int, host: str, port: int, nonce: str, quick: bool, q) -> None:
+def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: list[tuple[int, int]], quick: bool,
+               q) -> None:
+    """The separate micro-measurement: this machine's transport, copies and checksums, with
+    synthetic buffers and no layout. Rank 0 reports the single-process figures; every rank
+    reports the (start, end) of its timed spans, which the parent turns into rates: a span runs
+    from the first rank leaving a barrier to the last rank finishing, as the bench times a run."""
+    import torch
+
     from reshard.common import bench_methods as bm
     from reshard.common.transport import GlooTransport
 
     t = GlooTransport(host, port, f"{nonce}-calib", g, world, TIMEOUT_S)
     ctl = _control_group(host, port, f"bench/{nonce}/calib-ctl", g, world)
     deadline = time.monotonic() + TIMEOUT_S
-    big, count = (16 << 20, 3) if quick else (64 << 20, 6)
+    big, count, passes = (16 << 20, 2, 1) if quick else (64 << 20, 4, 3)
+    # Allocated and touched once, as the update's buffers are, and reused by every stream.
+    bufs = [torch.ones(big, dtype=torch.uint8) for _ in range(2)]
     out: dict = {"ranks": world}
     if g < 2:
         rtt = {}
         for size, iters in ((8, 50 if quick else 200), (64 << 10, 20), (1 << 20, 10), (big, 3)):
             rtt[size] = bm.ping_pong(t, g, 1 - g, size, iters, deadline)
-        secs = bm.stream(t, g, 1 - g, g == 0, big, count, deadline)
-        out.update(latency_s=rtt[8] / 2, rtt_seconds={str(k): v for k, v in rtt.items()},
-                   pair_gbps=big * count / max(1e-9, secs - rtt[8] / 2) / 1e9)
-    ctl.barrier().wait()
-    # Every rank streams at once, in pairs (0->1, 2->3, ...): the shared CPU's aggregate. One
-    # untimed pass first, so connections and allocations are warm, as in a steady-state update.
-    if g < 2 * (world // 2):
-        bm.stream(t, g, g ^ 1, g % 2 == 0, big, 1, deadline)
-    ctl.barrier().wait()
-    t0 = time.monotonic()
-    if g < 2 * (world // 2):
-        bm.stream(t, g, g ^ 1, g % 2 == 0, big, count, deadline)
-        q.put(("calib_stream", g, t0, time.monotonic()))
-    ctl.barrier().wait()
+        out.update(latency_s=rtt[8] / 2, rtt_seconds={str(k): v for k, v in rtt.items()})
+
+    def timed(key, rep: int, active: bool, fn) -> None:
+        ctl.barrier().wait()
+        t0 = time.monotonic()
+        if active:
+            fn()
+            q.put(("calib_span", key, rep, g, t0, time.monotonic()))
+        ctl.barrier().wait()
+
+    # Streams in pairs (0->1, 2->3, ...), k pairs at once: one pair is a link's rate, and k pairs
+    # fill the processes a layout pair runs (the shared cores' aggregate at that concurrency).
+    for k in sorted({1} | {min(world, s + d) // 2 for s, d in shapes}):
+        for rep in range(1 + passes):  # the first pass warms connections and is not used
+            timed(("stream", k), rep, g < 2 * k, lambda: bm.stream(t, g, g ^ 1, g % 2 == 0, bufs, count, deadline))
+    # Per layout shape (S trainer ranks, D inference ranks, as the bench places them): one update's
+    # synchronisation steps without the bytes.
+    for s, d in shapes:
+        senders, receivers = range(s), range(s, s + d)
+        active = g < s + d
+        reps = 3 if quick else 15
+        for rep in range(reps):
+            timed(("start", s, d), rep, active, lambda: bm.round_trip_rounds(t, g, senders, receivers, 1, deadline))
+        for rep in range(1 + passes):
+            timed(("rounds", s, d), rep, active,
+                  lambda: bm.round_trip_rounds(t, g, senders, receivers, _STEPS, deadline))
+            timed(("windows", s, d), rep, active,
+                  lambda: bm.broadcast_windows(t, g, senders, receivers, _STEPS, deadline))
     if g == 0:
-        out["streams"] = world // 2
-        out["stream_bytes"] = (world // 2) * big * count
         out["copy_gbps"] = bm.copy_gbps(big, 3 if quick else 5)
         out["copy_op_s"] = bm.copy_op_seconds()
+        out["checksum_gbps"] = bm.checksum_gbps()
+        out["checksum_op_s"] = bm.checksum_op_seconds()
+        out["stream_bytes"] = big * count
         q.put(("calib", out))
     ctl.barrier().wait()
     t.close()
+
+
+_STEPS = 50  # synchronisation steps per timed span of the calibration
+
+
+def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]]) -> dict:
+    """The calibration from rank 0's figures and the ranks' timed spans: medians over the passes."""
+    by: dict[tuple, dict[int, list[float]]] = {}
+    for key, rep, _g, t0, t1 in spans:
+        by.setdefault(tuple(key), {}).setdefault(rep, []).extend((t0, t1))
+
+    def span(key, skip_first: bool = True) -> float:
+        reps = by.get(key, {})
+        vals = [max(v) - min(v) for rep, v in sorted(reps.items()) if not (skip_first and rep == 0)]
+        return statistics.median(vals) if vals else float("nan")
+
+    cal = dict(raw)
+    per_stream = raw["stream_bytes"]
+    streams = {key[1]: key[1] * per_stream / span(key) / 1e9 for key in by if key[0] == "stream"}
+    cal["pair_gbps"] = streams[1]
+    cal["streams_gbps"] = {str(k): v for k, v in sorted(streams.items())}
+    cal["shapes"] = {}
+    for s, d in shapes:
+        k = max(1, min(raw["ranks"], s + d) // 2)
+        round_s = span(("rounds", s, d)) / _STEPS
+        cal["shapes"][f"{s}->{d}"] = {
+            "aggregate_gbps": streams[k], "aggregate_streams": k, "round_s": round_s,
+            "collective_s": span(("windows", s, d)) / _STEPS,
+            "start_s": max(0.0, span(("start", s, d), skip_first=False) - round_s),
+        }
+    cal["aggregate_gbps"] = streams[max(streams)]
+    return cal
 
 
 def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: list[dict], opts: dict, q) -> None:
@@ -104,7 +160,7 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
         from reshard.common.planner import PlanOptions, make_plan
         from reshard.common.transport import GlooTransport
 
-        _calibrate(g, world, host, port, nonce, opts["quick"], q)
+        _calibrate(g, world, host, port, nonce, opts["shapes"], opts["quick"], q)
         weights: tuple[tuple, dict] | None = None  # a trainer rank's filled buffers, reused while (model, src) holds
         for ci, cfg in enumerate(configs):
             S, D = cfg["S"], cfg["D"]
@@ -153,27 +209,31 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
 
 # -- the parent -----------------------------------------------------------------------------
 
-def _local_cluster(cal: dict):
+def _local_cluster(cal: dict, S: int, D: int):
+    """The simulator's local profile for a layout pair of S + D ranks, from the calibration alone."""
     from reshard.common.simulate import Cluster
 
+    shape = cal["shapes"][f"{S}->{D}"]
     return Cluster(name="local", gpus_per_node=max(1, cal["ranks"]), nvlink_gbps=cal["pair_gbps"],
                    nic_gbps=cal["pair_gbps"], latency_s=cal["latency_s"], copy_gbps=cal["copy_gbps"],
-                   copy_op_s=cal["copy_op_s"], node_cpu_gbps=cal["aggregate_gbps"], broadcast="tree", colocated=True)
+                   copy_op_s=cal["copy_op_s"], node_cpu_gbps=shape["aggregate_gbps"], cores=len(os.sched_getaffinity(0)),
+                   checksum_gbps=cal["checksum_gbps"], checksum_op_s=cal["checksum_op_s"], round_s=shape["round_s"],
+                   collective_s=shape["collective_s"], start_s=shape["start_s"], broadcast="tree", colocated=True)
 
 
 def predictions(cfg: dict, cal: dict, bucket_bytes: int) -> dict[str, float]:
     """The local profile's predictions for one layout pair, per method (seconds)."""
     from collections import defaultdict
 
-    from reshard.common.bench_methods import owner_broadcast_counts
+    from reshard.common.bench_methods import owner_broadcast_windows
     from reshard.common.frameworks import build
     from reshard.common.planner import PlanOptions, make_plan
     from reshard.common.simulate import owner_broadcast_traffic, plan_traffic, predict, serialized_traffic
 
-    c = _local_cluster(cal)
     src, dst = build(cfg["model"], cfg["src"]), build(cfg["model"], cfg["dst"])
-    plan = make_plan(src, dst, PlanOptions())
     S, D = src.world, dst.world
+    c = _local_cluster(cal, S, D)
+    plan = make_plan(src, dst, PlanOptions())
     keep: dict[int, float] = defaultdict(float)
     pieces: dict[int, float] = defaultdict(float)
     for d, bufs in enumerate(dst.ranks):
@@ -183,14 +243,13 @@ def predictions(cfg: dict, cal: dict, bucket_bytes: int) -> dict[str, float]:
                 keep[S + d] += p.box.numel * spec.nbytes / spec.numel
                 pieces[S + d] += 1
     payload = float(sum(t.nbytes for t in dst.tensors.values()))
-    ob = owner_broadcast_counts(src, dst)
     return {
         "reshard": predict(c, S, D, plan_traffic(plan)).seconds,
+        "reshard+verify": predict(c, S, D, plan_traffic(plan, checksums=True)).seconds,
         "ceiling": predict(c, S, D, plan_traffic(plan, copies=False)).seconds,
         "serialized": predict(c, S, D, serialized_traffic(c, src, D, payload, keep, _bucket(bucket_bytes, payload),
                                                           dst_pieces=pieces)).seconds,
-        "broadcast": predict(c, S, D, owner_broadcast_traffic(c, S, D, ob["sent"], ob["packed"], keep, ob["largest"],
-                                                              ob["pack_ops"], ob["dst_ops"])).seconds,
+        "broadcast": predict(c, S, D, owner_broadcast_traffic(c, S, D, owner_broadcast_windows(src, dst))).seconds,
     }
 
 
@@ -233,7 +292,9 @@ def run_bench(a) -> int:
     store = TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False)
     port = store.port
     nonce = secrets.token_hex(4)
-    opts = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "bucket_bytes": a.bucket_mib << 20}
+    shapes = sorted({(c["S"], c["D"]) for c in configs})
+    opts = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "bucket_bytes": a.bucket_mib << 20,
+            "shapes": shapes}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     say(f"reshard bench: {len(configs)} layout pairs, {world} rank processes on {os.cpu_count()} cores, gloo on {host}; "
@@ -243,7 +304,8 @@ def run_bench(a) -> int:
     for p in procs:
         p.start()
     cal: dict = {}
-    streams: list[tuple[float, float]] = []
+    raw: dict = {}
+    spans: list[tuple] = []
     runs: dict[tuple, list[dict]] = {}
     done: set[int] = set()
     try:
@@ -260,17 +322,14 @@ def run_bench(a) -> int:
                 raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
             if kind == "done":
                 done.add(msg[1])
-            elif kind == "calib_stream":
-                streams.append((msg[2], msg[3]))
+            elif kind == "calib_span":
+                spans.append(msg[1:])
             elif kind == "calib":
-                cal = msg[1]
-                t0 = min(s[0] for s in streams)
-                t1 = max(s[1] for s in streams)
-                cal["aggregate_gbps"] = cal["stream_bytes"] / (t1 - t0) / 1e9
-                say(f"calibration: latency {cal['latency_s'] * 1e6:.0f} us per message, one pair "
-                    f"{cal['pair_gbps']:.2f} GB/s, {cal['streams']} pairs at once {cal['aggregate_gbps']:.2f} GB/s "
-                    f"in all, packing copies {cal['copy_gbps']:.2f} GB/s + {cal['copy_op_s'] * 1e6:.1f} us each")
+                raw = msg[1]
             elif kind == "ready":
+                if not cal:  # every rank has finished the calibration by now
+                    cal = calibration(raw, spans, shapes)
+                    say(_calibration_line(cal))
                 cfg = configs[msg[1]]
                 say(f"[{msg[1] + 1}/{len(configs)}] {cfg['model']} ({_fmt_bytes(model_spec(cfg['model']).payload_bytes)}) "
                     f"{cfg['src']} -> {cfg['dst']}: ready in {msg[2]:.1f} s")
@@ -291,6 +350,7 @@ def run_bench(a) -> int:
         raise
     for p in procs:
         p.join(30)
+    cal = calibration(raw, spans, shapes)
     results = _summarize(configs, runs, cal, a, say)
     results["machine"]["load_average_start_end"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
     if a.json:
@@ -304,6 +364,15 @@ def run_bench(a) -> int:
         except ImportError:
             say("plot skipped: matplotlib is not installed (pip install 'reshard[bench]')")
     return 0 if results["verified"] else 1
+
+
+def _calibration_line(cal: dict) -> str:
+    shapes = "; ".join(f"{k}: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
+                       f"{v['round_s'] * 1e6:.0f} us, window {v['collective_s'] * 1e6:.0f} us, start "
+                       f"{v['start_s'] * 1e6:.0f} us" for k, v in cal["shapes"].items())
+    return (f"calibration: latency {cal['latency_s'] * 1e6:.0f} us per message, one pair {cal['pair_gbps']:.2f} GB/s, "
+            f"packing copies {cal['copy_gbps']:.2f} GB/s + {cal['copy_op_s'] * 1e6:.1f} us each, checksums "
+            f"{cal['checksum_gbps']:.2f} GB/s per core + {cal['checksum_op_s'] * 1e6:.0f} us each; {shapes}")
 
 
 def _summarize(configs, runs, cal, a, say) -> dict:
@@ -380,8 +449,7 @@ def _summarize(configs, runs, cal, a, say) -> dict:
 
 def print_table(r: dict) -> None:
     cal = r["calibration"]
-    print(f"\ncalibration (separate micro-measurement): {cal['latency_s'] * 1e6:.0f} us/message, pair "
-          f"{cal['pair_gbps']:.2f} GB/s, aggregate {cal['aggregate_gbps']:.2f} GB/s, copies {cal['copy_gbps']:.2f} GB/s")
+    print("\n" + _calibration_line(cal).replace("calibration:", "calibration (separate micro-measurement):"))
     head = f"{'model':<10}{'S->I':>6}  {'method':<15}{'first s':>9}{'median s':>10}{'GB moved':>10}{'GB/s':>7}" \
            f"{'extra MB tr/inf':>17}{'predicted':>11}{'error':>8}  ok"
     print(head)

@@ -21,8 +21,11 @@ def test_quick_bench_end_to_end(tmp_path):
     out = json.loads(r.stdout)
     assert out["verified"] is True
     cal = out["calibration"]
-    for k in ("latency_s", "pair_gbps", "aggregate_gbps", "copy_gbps", "copy_op_s"):
+    for k in ("latency_s", "pair_gbps", "aggregate_gbps", "copy_gbps", "copy_op_s", "checksum_gbps", "checksum_op_s"):
         assert cal[k] > 0
+    shape = cal["shapes"]["2->2"]  # measured at the concurrency of the layout pair: 4 processes, 2 streams
+    assert shape["aggregate_streams"] == 2
+    assert shape["aggregate_gbps"] > 0 and shape["round_s"] > 0 and shape["collective_s"] > 0 and shape["start_s"] >= 0
     (cfg,) = out["configs"]
     assert (cfg["model"], cfg["src_ranks"], cfg["dst_ranks"]) == ("tiny", 2, 2)
     methods = cfg["methods"]
@@ -31,8 +34,7 @@ def test_quick_bench_end_to_end(tmp_path):
         assert m["verified"] and m["bit_exact"], name
         assert m["seconds"] > 0 and m["first_seconds"] > 0 and m["bytes"] > 0 and m["gbps"] > 0
         assert set(m["peak_extra_bytes"]) == {"trainer", "inference"}
-        if name != "reshard+verify":
-            assert m["predicted_seconds"] > 0 and m["error_pct"] is not None
+        assert m["predicted_seconds"] > 0 and m["error_pct"] is not None
     assert methods["reshard+verify"]["checksums_ok"] is True
     # Whole tensors to every inference rank: the owner broadcast moves D x the model.
     assert methods["broadcast"]["bytes"] == 2 * cfg["payload_bytes"]

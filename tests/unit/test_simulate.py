@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from reshard.common.frameworks import build
@@ -11,10 +13,13 @@ from reshard.common.simulate import (
     Phase,
     broadcast_phases,
     cluster_by_name,
+    gloo_tree,
+    owner_broadcast_traffic,
     phase_time,
     plan_traffic,
     predict,
     preset_by_name,
+    serialized_traffic,
     simulate,
 )
 
@@ -72,18 +77,56 @@ def test_hierarchical_spreads_over_the_nodes_nics():
     assert h.bottleneck in ("nic egress of node 0 (trainer)", "nic ingress of node 1 (inference)")
 
 
-def test_shared_cpu_adds_wire_bytes_copies_and_messages():
-    c = Cluster(gpus_per_node=8, nvlink_gbps=10.0, nic_gbps=10.0, latency_s=1e-3, copy_gbps=4.0,
-                copy_op_s=1e-3, node_cpu_gbps=1.0, colocated=True)
+def shared_host(**kw) -> Cluster:
+    base = dict(gpus_per_node=8, nvlink_gbps=2.0, nic_gbps=2.0, latency_s=1e-3, copy_gbps=4.0, copy_op_s=1e-3,
+                node_cpu_gbps=3.0, cores=2, colocated=True)
+    base.update(kw)
+    return Cluster(**base)
+
+
+def test_shared_host_the_busiest_process_or_the_shared_cores():
+    c = shared_host()
     ph = Phase("source")
     ph.add(0, 2, 1 * GB, messages=10)
     ph.add(1, 3, 1 * GB, messages=10)
+    # Each process moves 1 GB at the one-pair rate: 0.5 s. The cores move 2 GB at 3 GB/s: 0.667 s.
+    r = phase_time(c, 2, 2, ph)
+    assert r.seconds == pytest.approx(2 / 3)
+    assert r.bottleneck == "shared CPU of node 0"
     ph.copies[0] += 2 * GB
     ph.copy_ops[0] += 100
+    # Rank 0 now also packs 2 GB at 4 GB/s and makes 100 copies of 1 ms: 0.5 + 0.5 + 0.1 = 1.1 s of its
+    # own; the cores take 2/3 s + 0.6 s / 2 = 0.967 s.
     r = phase_time(c, 2, 2, ph)
-    # 2 GB / 1 GB/s + 20 messages x 1 ms + 2 GB / 4 GB/s + 100 x 1 ms
-    assert r.seconds == pytest.approx(2.0 + 0.02 + 0.5 + 0.1)
-    assert r.bottleneck == "shared CPU of node 0"
+    assert r.seconds == pytest.approx(1.1)
+    assert r.bottleneck == "process of rank 0 (trainer 0)"
+
+
+def test_shared_host_counts_a_relaying_process_both_ways_and_its_checksums():
+    c = shared_host(node_cpu_gbps=100.0, checksum_gbps=1.0, checksum_op_s=0.01)
+    ph = Phase("relay")
+    ph.add(2, 3, 1 * GB)
+    ph.add(3, 4, 1 * GB)
+    ph.checksums[3] += 0.5 * GB
+    ph.checksum_ops[3] += 10
+    # Rank 3 receives 1 GB and sends 1 GB at 2 GB/s (1 s), then checksums 0.5 GB at 1 GB/s plus 10 x 10 ms.
+    assert phase_time(c, 2, 3, ph).seconds == pytest.approx(1.0 + 0.5 + 0.1)
+
+
+def test_steps_and_the_start_cost():
+    c = shared_host(round_s=1e-3, collective_s=5e-3, start_s=0.25)
+    rounds = Phase("source", steps=4)
+    rounds.add(0, 2, 0.3 * GB)  # 0.15 s at the one-pair rate; 0.1 s on the cores
+    windows = Phase("owner broadcast", steps=2, step="collective")
+    msgs = Phase("verify", steps=3, step="message")
+    p = predict(c, 2, 1, [rounds, windows, msgs])
+    assert [r.seconds for r in p.phases] == pytest.approx([0.15 + 0.004, 0.010, 0.003])
+    assert p.seconds == pytest.approx(0.25 + 0.154 + 0.010 + 0.003)
+
+
+def test_a_shared_host_needs_its_rates():
+    with pytest.raises(ValueError, match="node_cpu_gbps and copy_gbps"):
+        Cluster(cores=2, node_cpu_gbps=1.0)
 
 
 def test_phases_add_up_and_name_the_longest():
@@ -103,13 +146,63 @@ def test_relay_chain_fill():
     assert phase_time(c, 1, 2, ph).seconds == pytest.approx(1.0 + 2 * 0.1)
 
 
+def test_gloo_tree_generations():
+    # Member v receives from v minus its highest bit and sends to v + 2**i for each higher bit i.
+    assert gloo_tree(3) == [[(0, 1), (0, 2)]]
+    assert gloo_tree(5) == [[(0, 1), (0, 2), (0, 4)], [(1, 3)]]
+    assert gloo_tree(8) == [[(0, 1), (0, 2), (0, 4)], [(1, 3), (1, 5), (2, 6)], [(3, 7)]]
+
+
 def test_broadcast_tree_and_rings():
-    tree = broadcast_phases(Cluster(broadcast="tree"), 0, [0, 1, 2, 3], 8.0, 4.0)
-    assert [sorted(p.links) for p in tree] == [[(0, 1)], [(0, 2), (1, 3)]]
-    assert all(v == [8.0, 2.0] for p in tree for v in p.links.values())
+    (tree,) = broadcast_phases(Cluster(broadcast="tree"), 0, [0, 1, 2, 3], 8.0, 4.0)
+    assert sorted(tree.links) == [(0, 1), (0, 2), (1, 3)]
+    assert all(v == [8.0, 2.0] for v in tree.links.values())  # every edge carries both buckets
+    assert (tree.steps, tree.step, tree.fill_steps, tree.fill_bytes) == (2, "collective", 1, 4.0)
     ring = broadcast_phases(Cluster(gpus_per_node=2, broadcast="ring"), 0, [0, 1, 2, 3], 8.0, 8.0)
     assert len(ring) == 1
     assert sum(v[0] for v in ring[0].links.values()) == pytest.approx(2 * 3 * 4.0)  # 2 rings of 3 hops, 4 B each
+
+
+def test_gloo_broadcast_on_a_shared_host():
+    # 1 GB from rank 0 to ranks 1 and 2 in one bucket: rank 0 sends 2 GB at the pair rate (1 s);
+    # the cores move 2 GB at 3 GB/s; plus one collective step.
+    c = shared_host(collective_s=0.01)
+    (ph,) = broadcast_phases(dataclasses.replace(c, broadcast="tree"), 0, [0, 1, 2], 1 * GB, 1 * GB)
+    assert phase_time(c, 1, 2, ph).seconds == pytest.approx(1.0 + 0.01)
+    # With 4 receivers, rank 0 sends 3 GB (1.5 s, more than the cores' 4 GB / 3 GB/s), and rank 1
+    # forwards to rank 3 after it received: one more bucket on the slowest link (0.5 s + 1 ms).
+    (ph,) = broadcast_phases(dataclasses.replace(c, broadcast="tree"), 0, [0, 1, 2, 3, 4], 1 * GB, 1 * GB)
+    assert phase_time(c, 1, 4, ph).seconds == pytest.approx(1.5 + 0.01 + (0.5 + 1e-3))
+
+
+def test_owner_broadcast_windows():
+    c = shared_host(node_cpu_gbps=100.0, collective_s=0.01, broadcast="tree")
+    windows = [{"items": [(0, 1 * GB, False), (1, 0.5 * GB, True)], "keep": {2: (1 * GB, 2), 3: (0.5 * GB, 1)}},
+               {"items": [(0, 0.2 * GB, False)], "keep": {2: (0.2 * GB, 1), 3: (0, 0)}}]
+    phases = owner_broadcast_traffic(c, 2, 2, windows)
+    assert [p.name for p in phases] == ["owner broadcast window 0", "copy-out of window 0",
+                                        "owner broadcast window 1", "copy-out of window 1"]
+    assert phases[0].links == {(0, 2): [1 * GB, 1.0], (0, 3): [1 * GB, 1.0], (1, 2): [0.5 * GB, 1.0],
+                               (1, 3): [0.5 * GB, 1.0]}
+    times = [phase_time(c, 2, 2, p).seconds for p in phases]
+    # Window 0: rank 2 receives 1.5 GB at 2 GB/s; rank 0 sends 2 GB (1 s); rank 1 packs 0.5 GB
+    # (0.125 s + 1 ms) and sends 1 GB (0.5 s). Copy-out: rank 2 copies 1 GB (0.25 s) in 2 copies.
+    assert times[0] == pytest.approx(1.0 + 0.01)
+    assert times[1] == pytest.approx(0.25 + 0.002)
+    assert times[2] == pytest.approx(0.2 + 0.01)
+    assert times[3] == pytest.approx(0.05 + 0.001)
+
+
+def test_serialized_copies_its_own_shards_first_then_gathers():
+    src = build("tiny", "framework=megatron,tp=2")
+    c = shared_host(broadcast="tree")
+    phases = serialized_traffic(c, src, 2, 1000.0, {2: 500.0, 3: 500.0}, bucket_bytes=600.0)
+    assert [p.name for p in phases] == ["local copy", "gather", "broadcast"]
+    assert not phases[0].links and phases[0].copies[0] > 0
+    assert set(phases[1].links) == {(1, 0)} and phases[1].steps == 1
+    b = phases[2]
+    assert set(b.links) == {(0, 2), (0, 3)} and b.steps == 2  # 1000 B in buckets of 600 B
+    assert b.copies[0] == 1000.0 and b.copies[2] == 1500.0  # rank 0 packs; receivers copy the bucket, then keep
 
 
 def test_plan_traffic_matches_the_plan():
@@ -156,7 +249,7 @@ def test_plan_traffic_from_columns_matches_messages():
                      PlanOptions(bucket_bytes=4096, direct_min_bytes=1024, max_message_bytes=8192))
     fast = {p.name: p for p in plan_traffic(plan)}
     slow = {p.name: p for p in plan_traffic(plan, weight=lambda name: 1.0)}
-    assert set(fast) == set(slow) == {"source", "relay"}
+    assert set(fast) == set(slow) == {"first packing", "source", "relay"}
     for k in fast:
         assert fast[k].links == slow[k].links  # integral sums: exact
         assert dict(fast[k].copies) == pytest.approx(dict(slow[k].copies))
