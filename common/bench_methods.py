@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import statistics
 import time
 from collections import defaultdict
 from types import SimpleNamespace
@@ -417,17 +418,19 @@ def checksum_op_seconds(n: int = 200) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def checksum_gbps(nbytes: int = 32 << 20, iters: int = 3) -> float:
-    """Checksum rate of this process (`box_checksum` over a bf16 matrix), GB/s."""
+def checksum_gbps(nbytes: int = 32 << 20, iters: int = 5) -> float:
+    """Checksum rate of this process (`box_checksum` over a bf16 matrix), GB/s: the median pass."""
     from .checksum import box_checksum
 
     cols = 4096
     x = torch.randn(max(1, nbytes // (cols * 2)), cols).to(torch.bfloat16)
     box_checksum(x, (0, 0), tuple(x.shape))
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        t0 = time.perf_counter()
         box_checksum(x, (0, 0), tuple(x.shape))
-    return iters * x.numel() * 2 / (time.perf_counter() - t0) / 1e9
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 2 / statistics.median(times) / 1e9
 
 
 def copy_op_seconds(n: int = 2000) -> float:
@@ -445,14 +448,16 @@ def copy_op_seconds(n: int = 2000) -> float:
 
 def copy_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
     """Packing bandwidth of this process: strided halves of a bf16 matrix into a contiguous buffer
-    and back (what the engine's pack and unpack do), GB/s of bytes moved."""
+    and back (what the engine's pack and unpack do), GB/s of bytes moved: the median pass."""
     cols = 4096
     rows = max(1, nbytes // (cols * 2))
     src = torch.randn(rows, 2 * cols).to(torch.bfloat16)
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     out.copy_(src[:, :cols])
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        t0 = time.perf_counter()
         out.copy_(src[:, :cols])
         src[:, cols:].copy_(out)
-    return 2 * iters * out.numel() * 2 / (time.perf_counter() - t0) / 1e9
+        times.append(time.perf_counter() - t0)
+    return 2 * out.numel() * 2 / statistics.median(times) / 1e9

@@ -251,7 +251,9 @@ def _steps_and_fill(c: Cluster, pl: _Placement, ph: Phase) -> float:
     t = ph.steps * {"collective": c.collective_s, "message": c.latency_s}.get(ph.step, c.round_s)
     if ph.fill_steps and ph.links:
         slowest = min(c.nvlink_gbps if pl.node(a) == pl.node(b) else c.nic_gbps for a, b in ph.links) * GB
-        t += ph.fill_steps * (ph.fill_bytes / slowest + c.latency_s)
+        # A measured collective step already holds its tree's latencies; other fills pay one per link.
+        lat = 0.0 if (ph.step == "collective" and c.collective_s) else c.latency_s
+        t += ph.fill_steps * (ph.fill_bytes / slowest + lat)
     return t
 
 

@@ -96,10 +96,9 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
     for s, d in shapes:
         senders, receivers = range(s), range(s, s + d)
         active = g < s + d
-        reps = 3 if quick else 15
-        for rep in range(reps):
+        for rep in range(3 if quick else 21):
             timed(("start", s, d), rep, active, lambda: bm.round_trip_rounds(t, g, senders, receivers, 1, deadline))
-        for rep in range(1 + passes):
+        for rep in range(1 + (passes and 5)):
             timed(("rounds", s, d), rep, active,
                   lambda: bm.round_trip_rounds(t, g, senders, receivers, _STEPS, deadline))
             timed(("windows", s, d), rep, active,
@@ -124,9 +123,12 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]]) ->
     for key, rep, _g, t0, t1 in spans:
         by.setdefault(tuple(key), {}).setdefault(rep, []).extend((t0, t1))
 
-    def span(key, skip_first: bool = True) -> float:
+    def spans_of(key, skip_first: bool = True) -> list[float]:
         reps = by.get(key, {})
-        vals = [max(v) - min(v) for rep, v in sorted(reps.items()) if not (skip_first and rep == 0)]
+        return [max(v) - min(v) for rep, v in sorted(reps.items()) if not (skip_first and rep == 0)]
+
+    def span(key, skip_first: bool = True) -> float:
+        vals = spans_of(key, skip_first)
         return statistics.median(vals) if vals else float("nan")
 
     cal = dict(raw)
@@ -142,6 +144,8 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]]) ->
             "aggregate_gbps": streams[k], "aggregate_streams": k, "round_s": round_s,
             "collective_s": span(("windows", s, d)) / _STEPS,
             "start_s": max(0.0, span(("start", s, d), skip_first=False) - round_s),
+            "samples_s": {kind: [round(x, 6) for x in spans_of((kind, s, d), kind != "start")]
+                          for kind in ("rounds", "windows", "start")},
         }
     cal["aggregate_gbps"] = streams[max(streams)]
     return cal

@@ -170,9 +170,10 @@ def test_gloo_broadcast_on_a_shared_host():
     (ph,) = broadcast_phases(dataclasses.replace(c, broadcast="tree"), 0, [0, 1, 2], 1 * GB, 1 * GB)
     assert phase_time(c, 1, 2, ph).seconds == pytest.approx(1.0 + 0.01)
     # With 4 receivers, rank 0 sends 3 GB (1.5 s, more than the cores' 4 GB / 3 GB/s), and rank 1
-    # forwards to rank 3 after it received: one more bucket on the slowest link (0.5 s + 1 ms).
+    # forwards to rank 3 after it received: one more bucket on the slowest link (0.5 s; the measured
+    # collective step already holds the tree's latencies).
     (ph,) = broadcast_phases(dataclasses.replace(c, broadcast="tree"), 0, [0, 1, 2, 3, 4], 1 * GB, 1 * GB)
-    assert phase_time(c, 1, 4, ph).seconds == pytest.approx(1.5 + 0.01 + (0.5 + 1e-3))
+    assert phase_time(c, 1, 4, ph).seconds == pytest.approx(1.5 + 0.01 + 0.5)
 
 
 def test_owner_broadcast_windows():
