@@ -39,6 +39,7 @@ import gc
 import hashlib
 import heapq
 import math
+import zlib
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -64,6 +65,12 @@ class PlanOptions:
     relay: bool = True
     """Destination replicas (ranks with identical buffers, e.g. DP copies) get their bytes from a
     replica that received them in an earlier round, so trainer egress carries each byte once."""
+    shared_relay_min_bytes: int = 0
+    """Buffers that ranks of different classes hold identically (the attention weights of
+    expert-parallel DP ranks, which hold different experts) are relayed among all their holders
+    when those holders share at least this many bytes (0: one bucket); a smaller shared set, such
+    as a norm on every TP rank, goes to each class instead, where a chain through every holder
+    would cost more rounds than it saves bytes."""
     staging_bytes: int = 0
     """Upper bound on one rank's staging pool (0: 256 MiB, or 4 buckets if that is more). The
     engine double-buffers a round's staged bytes, so at most staging_bytes // (2 * bucket_bytes)
@@ -239,6 +246,8 @@ class Plan:
     """Destination rank -> the replica whose pieces (and expected checksums) it mirrors."""
     _dst_table: LayoutTable | None = None
     _subset: np.ndarray | None = None
+    _relayed: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    """Destination rank -> (buffer row of the destination table, head rank) of each buffer it gets by relay."""
     sends: Mapping | None = None
     recvs: Mapping | None = None
     relay_sends: Mapping | None = None
@@ -348,11 +357,13 @@ class Plan:
         """Sender checksums per destination piece, extended to the replicas fed by relays
         (a replica must hold exactly what its primary received)."""
         out = dict(sent)
-        reps: dict[int, list[int]] = defaultdict(list)
-        for rep, prim in self.primary_of.items():
-            reps[prim].append(rep)
+        reps: dict[tuple[int, str], list[int]] = defaultdict(list)
+        names = self._dst_table.buf_str if self._relayed else []
+        for rep, items in self._relayed.items():
+            for b, head in items:
+                reps[(head, names[b])].append(rep)
         for (r, b, i), v in sent.items():
-            for rep in reps.get(r, ()):
+            for rep in reps.get((r, b), ()):
                 out[(rep, b, i)] = v
         return out
 
@@ -370,8 +381,9 @@ class Plan:
 
     def _relay_pieces_of(self, rank: int) -> list[tuple[str, int]]:
         t = self._dst_table
-        c = int(t.rank_class[rank])
-        rows = np.flatnonzero((t.buf_class[t.p_buf] == c) & (self._subset[t.p_tensor] if self._subset is not None else True))
+        mine = np.zeros(len(t.buf_class), dtype=bool)
+        mine[[b for b, _ in self._relayed.get(rank, ())]] = True
+        rows = np.flatnonzero(mine[t.p_buf] & (self._subset[t.p_tensor] if self._subset is not None else True))
         return [(t.buf_str[b], i) for b, i in zip(t.p_buf[rows].tolist(), t.p_index[rows].tolist())]
 
 
@@ -599,15 +611,19 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks = _source_boxes(S, src, D, s2d, s_off, s_size, t_shape,
                                                                                T.tensor_names)
     primary = np.array([r[0] for r in T.class_ranks], dtype=np.int64)
-    dp_rows = np.flatnonzero((T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True))
+    units, rep, head = _relay_units(T, options, bucket) if options.relay else ({}, None, primary[T.buf_class])
+    live = (T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True)
+    if rep is not None:
+        live &= np.take(rep, T.p_buf) == T.p_buf  # a copy of a buffer fed elsewhere arrives by relay
+    dp_rows = np.flatnonzero(live)
     inter = _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary)
-    g = _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_ranks, *inter, primary, s_off, s_strides,
+    g = _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_ranks, *inter, head, s_off, s_strides,
                           d_off, d_strides)
     del inter, rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks, dp_rows
     g, m = _messages(g, name_rank, options, bucket)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     peers = max(1, options.staging_limit // (2 * bucket))
-    relaying = options.relay and any(len(r) > 1 for r in T.class_ranks)
+    relaying = bool(units)
     # A primary that relays may send one relay bucket in a round where it receives: one peer less.
     m["round"] = _stagger(m, peers, max(1, peers - 1) if relaying else peers)
     num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
@@ -615,16 +631,16 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
 
     # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
     primary_of: dict[int, int] = {}
+    relayed: dict[int, list[tuple[int, int]]] = defaultdict(list)  # rank -> (buffer row, head) arriving by relay
     seg_parts, msg_parts = [g], [m]
     nseg = len(g["tensor"])
     templates: dict[bytes, tuple[dict, dict, int]] = {}  # equal relay segments: planned once, stored once
     if options.relay:
-        for c, ranks in enumerate(T.class_ranks):
-            if len(ranks) < 2:
-                continue
+        for ranks, (bufs, copies) in sorted(units.items()):
             for r in ranks[1:]:
-                primary_of[r] = ranks[0]
-            rg = _relay_segments(T, c, subset, D)
+                primary_of.setdefault(r, ranks[0])
+                relayed[r] += [(b, ranks[0]) for b in copies.get(int(T.rank_class[r]), bufs)]
+            rg = _relay_segments(T, bufs, subset, D)
             if not len(rg["tensor"]):
                 continue
             key = b"".join(np.ascontiguousarray(rg[k]).tobytes() for k in SEG_KEYS)
@@ -665,7 +681,109 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
         lay._memo.setdefault("fingerprint", fp[:16])  # what Layout.fingerprint() would compute
         fps.append(fp)
     digest = _digest(*fps, tensors, Mm, G, T.tensor_names, buffer_names)
-    return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset)
+    return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset,
+                {r: sorted(b) for r, b in relayed.items()})
+
+
+def _relay_units(T: LayoutTable, options: PlanOptions, bucket: int):
+    """Relay chains and what the source phase feeds.
+
+    Returns (units, rep, head): units maps a chain (ranks, ascending; the first is fed by the
+    source phase) to (buffer rows of the first rank's class, {class: its copies of those rows});
+    rep[b] is the buffer row whose copy the source phase feeds for row b (b itself unless an
+    identical buffer of another class is fed instead); head[b] the rank that receives it.
+
+    Ranks of one class hold identical buffers: one chain per class. Identical buffers across
+    classes (the same name and content) form one chain through all their holders when the
+    holders share at least `shared_relay_min_bytes`."""
+    nb = len(T.buf_class)
+    rep = np.arange(nb, dtype=np.int64)
+    primary = np.array([r[0] for r in T.class_ranks], dtype=np.int64)
+    head = primary[T.buf_class]
+    cross: dict[tuple[int, ...], list[list[int]]] = defaultdict(list)  # holder classes -> groups of rows
+    if T.num_classes > 1 and nb:
+        first = _identical_buffers(T)
+        shared = np.flatnonzero(first != np.arange(nb))
+        if shared.size:
+            members: dict[int, list[int]] = defaultdict(list)
+            for b, f in zip(shared.tolist(), first[shared].tolist()):
+                members[f].append(b)
+            for f, ms in members.items():
+                group = [f] + ms
+                cross[tuple(int(T.buf_class[b]) for b in group)].append(group)
+    units: dict[tuple[int, ...], tuple[list[int], dict[int, list[int]]]] = {}
+    in_cross = np.zeros(nb, dtype=bool)
+    limit = options.shared_relay_min_bytes or bucket
+    isz = ITEMSIZE[T.buf_dtype]
+    for classes, groups in sorted(cross.items()):
+        if sum(int(T.buf_numel[g[0]] * isz[g[0]]) for g in groups) < limit:
+            continue
+        ranks = tuple(sorted(r for c in classes for r in T.class_ranks[c]))
+        copies = {c: [g[k] for g in groups] for k, c in enumerate(classes)}
+        bufs = copies[classes[0]]
+        for g in groups:
+            rep[g] = g[0]
+            in_cross[g] = True
+            head[g] = ranks[0]
+        units[ranks] = (bufs, copies)
+    for c, ranks in enumerate(T.class_ranks):
+        if len(ranks) > 1:
+            bufs = np.flatnonzero((T.buf_class == c) & ~in_cross).tolist()
+            if bufs:
+                units[tuple(ranks)] = (bufs, {})
+    return units, rep, head
+
+
+def _identical_buffers(T: LayoutTable) -> np.ndarray:
+    """Per buffer row: the first buffer row with the same name and content (itself if none).
+    Candidates come from a 64-bit hash of each buffer's pieces; candidates are then compared
+    column by column, so a collision never merges different buffers."""
+    nb = len(T.buf_class)
+    u64 = np.uint64
+    mul = u64(0x9E3779B97F4A7C15)
+    h = np.zeros(len(T.p_buf), dtype=u64)
+    cols = [T.p_tensor, T.p_flat, T.p_ndim, T.p_start] + [T.p_off[:, d] for d in range(T.D)] + [T.p_size[:, d] for d in range(T.D)]
+    for c in cols:
+        h ^= c.astype(u64)
+        h *= mul
+        h ^= h >> u64(29)
+    h *= (T.p_index.astype(u64) << u64(1)) | u64(1)
+    counts = np.bincount(T.p_buf, minlength=nb)
+    pstart = np.cumsum(counts) - counts
+    hb = np.zeros(nb, dtype=u64)
+    full = np.flatnonzero(counts)
+    if full.size:
+        hb[full] = np.add.reduceat(h, pstart[full])
+    for c in [T.buf_name, T.buf_dtype, T.buf_ndim, counts] + [T.buf_shape[:, d] for d in range(T.D)]:
+        hb ^= c.astype(u64)
+        hb *= mul
+        hb ^= hb >> u64(29)
+    for b, pads in T.buf_padding.items():
+        hb[b] ^= u64(zlib.crc32(repr(pads).encode()))
+    o = np.lexsort((np.arange(nb), hb))
+    hs = hb[o]
+    start = np.append(True, hs[1:] != hs[:-1])
+    first = np.empty(nb, dtype=np.int64)
+    first[o] = o[np.flatnonzero(start)][np.cumsum(start) - 1]
+    cand = np.flatnonzero(first != np.arange(nb))
+    if not cand.size:
+        return first
+    f = first[cand]
+    ok = (counts[cand] == counts[f]) & (T.buf_class[cand] != T.buf_class[f])
+    for c in (T.buf_name, T.buf_dtype, T.buf_ndim, T.buf_shape):
+        ok &= (c[cand] == c[f]) if c.ndim == 1 else (c[cand] == c[f]).all(axis=1)
+    ok &= np.array([T.buf_padding.get(int(a), ()) == T.buf_padding.get(int(b), ()) for a, b in zip(cand, f)], dtype=bool) \
+        if T.buf_padding else True
+    n = counts[cand]
+    if n.sum():
+        own = np.repeat(pstart[cand], n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+        theirs = own + np.repeat(pstart[f] - pstart[cand], n)  # the same piece of the first buffer
+        same = np.ones(len(own), dtype=bool)
+        for c in (T.p_tensor, T.p_flat, T.p_ndim, T.p_start, T.p_off, T.p_size):
+            same &= (c[own] == c[theirs]) if c.ndim == 1 else (c[own] == c[theirs]).all(axis=1)
+        ok[np.repeat(np.arange(len(cand)), n)[~same]] = False
+    first[cand[~ok]] = cand[~ok]
+    return first
 
 
 def _source_boxes(S, src, D, s2d, s_off, s_size, t_shape, tnames):
@@ -763,12 +881,12 @@ def _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary):
 
 
 def _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_ranks, pair_b, prow, ilo, isize, inumel,
-                      primary, s_off, s_strides, d_off, d_strides) -> dict[str, np.ndarray]:
-    """Receivers (each class's primary, or every rank without relays), one source replica per
-    transfer, and the segment columns."""
+                      head, s_off, s_strides, d_off, d_strides) -> dict[str, np.ndarray]:
+    """Receivers (the head of each buffer's relay chain, `head` per buffer row, or every rank
+    without relays), one source replica per transfer, and the segment columns."""
     pcls = T.buf_class[T.p_buf[prow]]
     if options.relay:
-        drank = primary[pcls]
+        drank = np.take(head, np.take(T.p_buf, prow))  # the head of the piece's relay chain
         reps = np.arange(len(pcls))
     else:
         counts = np.array([len(r) for r in T.class_ranks], dtype=np.int64)[pcls]
@@ -988,14 +1106,13 @@ def _holder_rows(S, rows, b_first, b_count, pair_b, srank) -> np.ndarray:
     return out
 
 
-def _relay_segments(T, c: int, subset, D: int) -> dict[str, np.ndarray]:
-    """What a replica of class c receives from the previous replica: for a whole update, every
-    buffer's non-padding bytes in a few contiguous runs (raw segments: tensor -1, piece -1);
-    for a partial update, the pieces of the chosen tensors."""
-    bufs = np.flatnonzero(T.buf_class == c)
+def _relay_segments(T, bufs: list[int], subset, D: int) -> dict[str, np.ndarray]:
+    """What a replica receives from the previous one in its chain, for buffer rows `bufs`: for a
+    whole update, every buffer's non-padding bytes in a few contiguous runs (raw segments:
+    tensor -1, piece -1); for a partial update, the pieces of the chosen tensors."""
     if subset is None:
         rb, rs, rn = [], [], []
-        for b in bufs.tolist():
+        for b in bufs:
             shape = tuple(T.buf_shape[b, :T.buf_ndim[b]].tolist())
             for start, n in _payload_ranges(T.buf_padding.get(b, ()), shape, int(T.buf_numel[b])):
                 rb.append(b)
@@ -1012,7 +1129,9 @@ def _relay_segments(T, c: int, subset, D: int) -> dict[str, np.ndarray]:
                 "ndim": np.ones(n, dtype=np.int64), "sbuf": T.buf_name[rb_a], "sstart": start, "sstrides": strides,
                 "dbuf": T.buf_name[rb_a], "dstart": start, "dstrides": strides, "piece": np.full(n, -1, dtype=np.int64),
                 "sdt": T.buf_dtype[rb_a], "ddt": T.buf_dtype[rb_a]}
-    rows = np.flatnonzero((T.buf_class[T.p_buf] == c) & subset[T.p_tensor] & (T.p_numel > 0))
+    mine = np.zeros(len(T.buf_class), dtype=bool)
+    mine[bufs] = True
+    rows = np.flatnonzero(mine[T.p_buf] & subset[T.p_tensor] & (T.p_numel > 0))
     off, strides = _widen(T.p_off[rows], D, 0), _widen(T.p_strides[rows], D, 0)
     return {"tensor": T.p_tensor[rows], "off": off, "size": _widen(T.p_size[rows], D, 1), "ndim": T.p_ndim[rows],
             "sbuf": T.buf_name[T.p_buf[rows]], "sstart": T.p_start[rows], "sstrides": strides,

@@ -164,3 +164,54 @@ def test_columnar_builders_match_object_builders(model, spec):
     opts = PlanOptions(bucket_bytes=8192, direct_min_bytes=1024)
     assert make_plan(cols, dst, opts).digest == make_plan(back, dst, opts).digest
     assert make_plan(dst, cols, opts).digest == make_plan(dst, back, opts).digest
+
+
+def test_expert_parallel_replicas_relay_their_shared_buffers():
+    """vLLM ep=1: DP ranks hold different experts but the same attention and dense weights. Each
+    shared byte leaves the trainer once and reaches the other holders by relay; experts go
+    straight to their one holder; every rank ends exact, and verification extends a head's
+    checksums only to the buffers its chain relays."""
+    m = model_spec("tiny-moe")
+    src, dst = build(m, "framework=megatron,tp=2,dp=2,ep=2"), build(m, "framework=vllm,tp=2,dp=2,ep=1")
+    full = canonical(m)
+    piece_bytes = {(b.name, p): p.box.numel * dtype_of(b.dtype).itemsize for bufs in dst.ranks for b in bufs for p in b.pieces}
+
+    def bytes_of(bufs_by_rank):
+        return sum(piece_bytes[(b.name, p)] for bufs in bufs_by_rank for b in bufs for p in b.pieces)
+
+    distinct = {}  # independent: every buffer content once, wherever it is held
+    for bufs in dst.ranks:
+        for b in bufs:
+            distinct.setdefault((b.name, b), b)
+    opts = dict(bucket_bytes=8192, direct_min_bytes=1024)
+    shared = make_plan(src, dst, PlanOptions(shared_relay_min_bytes=1, **opts))
+    apart = make_plan(src, dst, PlanOptions(shared_relay_min_bytes=1 << 40, **opts))
+    egress = {k: int(p.rank_bytes()["send"].sum()) for k, p in (("shared", shared), ("apart", apart))}
+    assert egress["apart"] == bytes_of(dst.ranks)                  # no class has two ranks: no relay at all
+    assert egress["shared"] == bytes_of([list(distinct.values())])  # each distinct buffer once
+    assert egress["shared"] < egress["apart"]
+    assert sorted(shared.primary_of) == [1, 2, 3] and not apart.primary_of  # norms: one chain through all four
+    for plan in (shared, apart):
+        got = [{n: torch.full_like(t, float("nan")) for n, t in bufs.items()} for bufs in fill_from(dst, full)]
+        execute_in_memory(plan, fill_from(src, full), got)
+        for r, bufs in enumerate(fill_from(dst, full)):
+            for n, t in bufs.items():
+                assert torch.equal(got[r][n].nan_to_num(7.0), t.nan_to_num(7.0)), (r, n)
+    # Verification: every piece of every rank is expected; relayed ones carry the head's value,
+    # the rest (the experts of rank 2) keep their own.
+    sent = {}
+    for r in range(dst.world):
+        for msg in shared.recvs.get(r, ()):
+            if not msg.relay:
+                for s in msg.segments:
+                    sent[(r, s.dst_buffer, s.dst_piece)] = hash((r, s.dst_buffer, s.dst_piece))
+    ext = shared.expected_checksums(sent)
+    for r, bufs in enumerate(dst.ranks):
+        for b in bufs:
+            for i in range(len(b.pieces)):
+                assert (r, b.name, i) in ext, (r, b.name, i)
+                assert (b.name, i) in shared.expected_pieces(r)
+    w13 = "model.layers.1.mlp.experts.w13_weight"
+    assert ext[(2, w13, 0)] == sent[(2, w13, 0)] != sent[(0, w13, 0)]
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert (2, qkv, 0) not in sent and ext[(2, qkv, 0)] == sent[(0, qkv, 0)]

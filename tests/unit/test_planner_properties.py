@@ -157,7 +157,9 @@ def plan_options(draw) -> PlanOptions:
     direct = draw(st.one_of(st.just(1 << 30), st.sampled_from([1, 64, 4096]), st.integers(1, 65536)))
     max_msg = bucket + draw(st.integers(0, 3 * bucket))
     staging = draw(st.one_of(st.just(0), st.sampled_from([4, 5, 8]).map(lambda k: k * bucket)))
-    return PlanOptions(bucket_bytes=bucket, direct_min_bytes=direct, max_message_bytes=max_msg, staging_bytes=staging)
+    shared = draw(st.sampled_from([0, 1]))  # 1: relay every buffer that ranks of different classes share
+    return PlanOptions(bucket_bytes=bucket, direct_min_bytes=direct, max_message_bytes=max_msg, staging_bytes=staging,
+                       shared_relay_min_bytes=shared)
 
 
 def check_staging(plan, opts: PlanOptions) -> None:
