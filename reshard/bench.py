@@ -68,7 +68,7 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
     t = GlooTransport(host, port, f"{nonce}-calib", g, world, TIMEOUT_S)
     ctl = _control_group(host, port, f"bench/{nonce}/calib-ctl", g, world)
     deadline = time.monotonic() + TIMEOUT_S
-    big, count, passes = (16 << 20, 2, 1) if quick else (64 << 20, 4, 3)
+    big, count, passes = (16 << 20, 2, 1) if quick else (64 << 20, 4, 5)
     # Allocated and touched once, as the update's buffers are, and reused by every stream.
     bufs = [torch.ones(big, dtype=torch.uint8) for _ in range(2)]
     out: dict = {"ranks": world}
@@ -88,21 +88,24 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
 
     # Streams in pairs (0->1, 2->3, ...), k pairs at once: one pair is a link's rate, and k pairs
     # fill the processes a layout pair runs (the shared cores' aggregate at that concurrency).
-    for k in sorted({1} | {min(world, s + d) // 2 for s, d in shapes}):
-        for rep in range(1 + passes):  # the first pass warms connections and is not used
+    # Passes alternate between the concurrencies and the shapes, so drift on this machine (other
+    # work on its cores) favours none of them; the first pass warms connections and is not used.
+    ks = sorted({1} | {min(world, s + d) // 2 for s, d in shapes})
+    for rep in range(1 + passes):
+        for k in ks:
             timed(("stream", k), rep, g < 2 * k, lambda: bm.stream(t, g, g ^ 1, g % 2 == 0, bufs, count, deadline))
     # Per layout shape (S trainer ranks, D inference ranks, as the bench places them): one update's
     # synchronisation steps without the bytes.
-    for s, d in shapes:
-        senders, receivers = range(s), range(s, s + d)
-        active = g < s + d
-        for rep in range(3 if quick else 21):
-            timed(("start", s, d), rep, active, lambda: bm.round_trip_rounds(t, g, senders, receivers, 1, deadline))
-        for rep in range(1 + (passes and 5)):
-            timed(("rounds", s, d), rep, active,
-                  lambda: bm.round_trip_rounds(t, g, senders, receivers, _STEPS, deadline))
-            timed(("windows", s, d), rep, active,
-                  lambda: bm.broadcast_windows(t, g, senders, receivers, _STEPS, deadline))
+    for rep in range(3 if quick else 21):
+        for s, d in shapes:
+            timed(("start", s, d), rep, g < s + d,
+                  lambda: bm.round_trip_rounds(t, g, range(s), range(s, s + d), 1, deadline))
+    for rep in range(1 + (passes and 5)):
+        for s, d in shapes:
+            timed(("rounds", s, d), rep, g < s + d,
+                  lambda: bm.round_trip_rounds(t, g, range(s), range(s, s + d), _STEPS, deadline))
+            timed(("windows", s, d), rep, g < s + d,
+                  lambda: bm.broadcast_windows(t, g, range(s), range(s, s + d), _STEPS, deadline))
     if g == 0:
         out["copy_gbps"] = bm.copy_gbps(big, 3 if quick else 5)
         out["copy_op_s"] = bm.copy_op_seconds()

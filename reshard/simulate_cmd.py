@@ -75,7 +75,7 @@ def print_report(r: dict) -> None:
             ("reshard, hierarchical NIC use", r["hierarchical"]),
             ("serialized baseline", r["baseline"])]
     for name, p in rows:
-        phases = ", ".join(f"{ph['name']} {ph['seconds']:.3f} s" for ph in p["phases"])
+        phases = ", ".join(f"{ph['name']} {ph['seconds']:.3f} s" for ph in p["phases"] if ph["seconds"] or ph["bytes"])
         print(f"  {name:<38} {p['seconds']:8.3f} s   bottleneck: {p['bottleneck']}   [{phases}]")
     if r.get("direct_over_hierarchical"):
         print(f"  direct / hierarchical: {r['direct_over_hierarchical']:.2f}x")
