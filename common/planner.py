@@ -675,12 +675,9 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
     Mm = {k: _take(v, order) for k, v in Mm.items()}
     num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
-    fps = []
-    for lay, tbl in ((src, S), (dst, T)):
-        fp = tbl.fingerprint()
-        lay._memo.setdefault("fingerprint", fp[:16])  # what Layout.fingerprint() would compute
-        fps.append(fp)
-    digest = _digest(*fps, tensors, Mm, G, T.tensor_names, buffer_names)
+    # The digest covers the plan and the buffers of both layouts (their pieces enter through the
+    # plan's segments); the layouts' full fingerprints are not needed for it.
+    digest = _digest(tensors, Mm, G, T.tensor_names, buffer_names, (S, T))
     return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset,
                 {r: sorted(b) for r, b in relayed.items()})
 
@@ -1186,10 +1183,10 @@ def _split_box(size: tuple[int, ...], max_elems: int) -> list[tuple[tuple[int, .
     return out
 
 
-def _digest(src_fp: str, dst_fp: str, tensors, m: dict, g: dict, tnames: list[str], bnames: list[str]) -> str:
+def _digest(tensors, m: dict, g: dict, tnames: list[str], bnames: list[str], tables) -> str:
     h = hashlib.sha256()  # (the fastest digest here on numpy buffers)
-    h.update(src_fp.encode())
-    h.update(dst_fp.encode())
+    for t in tables:
+        t.hash_buffers(h)
     h.update(("*" if tensors is None else ",".join(sorted(tensors))).encode())
     h.update("\0".join(tnames).encode())
     h.update("\0".join(bnames).encode())

@@ -32,7 +32,13 @@ def row_strides(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     D = size.shape[1]
     out = np.zeros_like(size)
     acc = np.ones(len(size), dtype=np.int64)
+    uniform = len(ndim) and int(ndim.min()) == int(ndim.max())
     for d in range(D - 1, -1, -1):
+        if uniform:  # every row has the same rank: no masks
+            if d < int(ndim[0]):
+                out[:, d] = acc
+                acc = acc * size[:, d]
+            continue
         live = d < ndim
         out[:, d] = np.where(live, acc, 0)
         acc = np.where(live, acc * size[:, d], acc)
@@ -79,6 +85,14 @@ class LayoutTable:
     @property
     def num_classes(self) -> int:
         return len(self.class_ranks)
+
+    def hash_buffers(self, h) -> None:
+        """Feed the buffers (not the pieces) and the rank classes to hash `h`."""
+        h.update(repr((self.layout.allow_casts, len(self.rank_class))).encode())
+        h.update("\0".join(self.buf_str).encode())
+        h.update(repr(sorted(self.buf_padding.items())).encode())
+        for a in (self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape):
+            hash_array(h, a)
 
     def fingerprint(self) -> str:
         """A digest of the layout's content, equal for equal layouts however they were built."""
@@ -211,10 +225,9 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     # holds the box row-major.
     strides = np.take(bstrides, p_buf, axis=0)
     start = dot_rows(roff, strides)
-    fl = np.flatnonzero(p_flat)
-    if fl.size:
-        start[fl] = roff[fl, 0]
-        strides[fl] = row_strides(size[fl], ndim[fl])
+    if p_flat.any():
+        np.copyto(start, roff[:, 0], where=p_flat)
+        np.copyto(strides, row_strides(size, ndim), where=p_flat[:, None])
     first_rank = np.array([r[0] for r in class_ranks], dtype=np.int64)
 
     tbl = LayoutTable(
