@@ -152,6 +152,13 @@ MODEL_SPECS: dict[str, ModelSpec] = {
 }
 
 
+@functools.lru_cache(maxsize=4)
+def _tensors(m: ModelSpec) -> dict[str, TensorSpec]:
+    """The model's tensors, one dict shared by the layouts built for it (the planner reads a
+    shared dict's columns once). Never modified: layouts only read it."""
+    return m.tensors()
+
+
 def model_spec(name: str) -> ModelSpec:
     try:
         return MODEL_SPECS[name]
@@ -218,7 +225,7 @@ def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int 
 
     `columns` (the default) builds the routed experts as columns (`reshard.common.columns`);
     False builds every piece as a Python object (the reference the columns are tested against)."""
-    tensors = m.tensors()
+    tensors = _tensors(m)
     moe_ep = bool(ep and m.experts)
     if moe_ep:
         per = _div(m.experts, tp * dp, "experts over expert-parallel ranks")
@@ -453,7 +460,7 @@ def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, e
         raise LayoutError(f"megatron: experts={m.experts} not divisible by ep={ep}")
     if m.attention == "gqa" and m.kv_heads % tp:
         raise LayoutError(f"megatron: kv_heads={m.kv_heads} (query groups) not divisible by tp={tp}")
-    t = m.tensors()
+    t = _tensors(m)
     stages = _stage_layers(m.layers, pp, vpp)
     ctx = _Columns(m, t) if columns else None
     cache: dict[tuple, int] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -127,6 +128,28 @@ def _classes(layout: Layout) -> tuple[list[ClassCols], list[int], list[str]]:
     return classes, id_class, sorted(name_id, key=name_id.__getitem__)
 
 
+_TENSOR_COLUMNS: OrderedDict[int, tuple[dict, tuple]] = OrderedDict()
+
+
+def _tensor_columns(tensors: dict) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted names, shapes (padded with 1), ranks and dtype ids of a tensor dict. The layouts
+    built for one model share their dict: its columns are made once (a few recent dicts are kept,
+    with a reference, so an id is never reused while cached)."""
+    hit = _TENSOR_COLUMNS.get(id(tensors))
+    if hit is not None and hit[0] is tensors and len(tensors) == len(hit[1][0]):
+        _TENSOR_COLUMNS.move_to_end(id(tensors))
+        return hit[1]
+    names = sorted(tensors)
+    specs = [tensors[n] for n in names]
+    ndim = np.fromiter((len(s.shape) for s in specs), dtype=np.int64, count=len(specs))
+    out = (names, pad_rows([s.shape for s in specs], max(1, int(ndim.max(initial=0))), 1, ndim), ndim,
+           np.array([DTYPE_IDS.get(s.dtype, -1) for s in specs], dtype=np.int64))
+    _TENSOR_COLUMNS[id(tensors)] = (tensors, out)
+    while len(_TENSOR_COLUMNS) > 4:
+        _TENSOR_COLUMNS.popitem(last=False)
+    return out
+
+
 def _class_key(k: ClassCols) -> bytes:
     """Cheap key of a class's content: both ends of its pieces (dense layers lead, experts trail)
     and its buffer names. Equal keys are compared in full."""
@@ -157,8 +180,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
                 check: bool = True) -> LayoutTable:
     """Columns of `layout` (buffer names interned into `names`), checked unless `check` is
     false: raises LayoutError on an invalid layout."""
-    tnames = sorted(layout.tensors)
-    specs = [layout.tensors[n] for n in tnames]
+    tnames, t_shape_raw, t_ndim, t_dtype = _tensor_columns(layout.tensors)
     classes, id_class, lnames = _classes(layout)
 
     # Merge classes with equal content (hand-built or decoded layouts, replicas built apart).
@@ -182,8 +204,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     kept = [classes[c] for c in keep]
 
     nb = np.cumsum([0] + [k.num_buffers for k in kept])
-    D = max([1] + [len(s.shape) for s in specs]
-            + [int(getattr(k, f).max(initial=0)) for k in kept for f in ("buf_ndim", "r_ndim", "ndim")])
+    D = max([1, int(t_ndim.max(initial=0))] + [int(getattr(k, f).max(initial=0)) for k in kept for f in ("buf_ndim", "r_ndim", "ndim")])
 
     def cat(f: str, fill: int | None = None) -> np.ndarray:
         parts = [getattr(k, f) for k in kept]
@@ -231,8 +252,8 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     first_rank = np.array([r[0] for r in class_ranks], dtype=np.int64)
 
     tbl = LayoutTable(
-        layout, D, tnames, pad_rows([s.shape for s in specs], D, 1), np.array([len(s.shape) for s in specs], dtype=np.int64),
-        np.array([DTYPE_IDS.get(s.dtype, -1) for s in specs], dtype=np.int64), rank_class, class_ranks,
+        layout, D, tnames, t_shape_raw[:, :D] if t_shape_raw.shape[1] >= D else _widen_cols(t_shape_raw, D, 1), t_ndim,
+        t_dtype, rank_class, class_ranks,
         b_class, b_name, b_dtype, bshape, bndim, bnumel, bstrides, _Buffers(layout, first_rank[b_class], b_local),
         [lnames[j] for j in lname.tolist()], padding,
         p_tensor, p_index, p_buf, p_flat, off, size, ndim, start, strides, numel,
