@@ -490,15 +490,18 @@ def gloo_tree(n: int) -> list[list[tuple[int, int]]]:
 
 def broadcast_phases(c: Cluster, root: int, members: list[int], nbytes: float, bucket_bytes: float) -> list[Phase]:
     """`nbytes` from `root` to every other member, in buckets of `bucket_bytes`: gloo's binomial
-    tree for 'tree' (one phase: every edge carries every bucket, the buckets pipelined through the
-    generations, plus one collective step per bucket), or one pipelined phase of G rings (one per
-    GPU of a node) for 'ring'."""
+    tree for 'tree', or one pipelined phase of G rings (one per GPU of a node) for 'ring'.
+
+    The tree is one phase in which every edge carries every bucket, plus one collective step per
+    bucket. A member that forwards finishes its broadcast call only after it has forwarded, and
+    joins the next bucket after that: each bucket also waits for its later generations, one
+    bucket on the slowest link per generation (the phase's fill)."""
     order = [root] + [m for m in members if m != root]
     msgs = max(1.0, nbytes / bucket_bytes)
     if c.broadcast == "tree":
         gens = gloo_tree(len(order))
         ph = Phase("broadcast", steps=math.ceil(msgs), step="collective",
-                   fill_steps=max(0, len(gens) - 1), fill_bytes=min(nbytes, bucket_bytes))
+                   fill_steps=max(0, len(gens) - 1) * math.ceil(msgs), fill_bytes=min(nbytes, bucket_bytes))
         for edges in gens:
             for a, b in edges:
                 ph.add(order[a], order[b], nbytes, msgs)
