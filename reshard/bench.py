@@ -373,13 +373,14 @@ def run_bench(a) -> int:
     return 0 if results["verified"] else 1
 
 
-def _calibration_line(cal: dict) -> str:
-    shapes = "; ".join(f"{k}: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
-                       f"{v['round_s'] * 1e6:.0f} us, window {v['collective_s'] * 1e6:.0f} us, start "
-                       f"{v['start_s'] * 1e6:.0f} us" for k, v in cal["shapes"].items())
-    return (f"calibration: latency {cal['latency_s'] * 1e6:.0f} us per message, one pair {cal['pair_gbps']:.2f} GB/s, "
-            f"packing copies {cal['copy_gbps']:.2f} GB/s + {cal['copy_op_s'] * 1e6:.1f} us each, checksums "
-            f"{cal['checksum_gbps']:.2f} GB/s per core + {cal['checksum_op_s'] * 1e6:.0f} us each; {shapes}")
+def _calibration_line(cal: dict, sep: str = "; ") -> str:
+    parts = [f"latency {cal['latency_s'] * 1e6:.0f} us per message, one pair {cal['pair_gbps']:.2f} GB/s, packing "
+             f"copies {cal['copy_gbps']:.2f} GB/s + {cal['copy_op_s'] * 1e6:.1f} us each",
+             f"checksums {cal['checksum_gbps']:.2f} GB/s per core + {cal['checksum_op_s'] * 1e6:.0f} us each"]
+    parts += [f"{k} ranks: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
+              f"{v['round_s'] * 1e6:.0f} us, broadcast window {v['collective_s'] * 1e6:.0f} us, start "
+              f"{v['start_s'] * 1e6:.0f} us" for k, v in cal["shapes"].items()]
+    return "calibration: " + sep.join(parts)
 
 
 def _summarize(configs, runs, cal, a, say) -> dict:
@@ -439,6 +440,11 @@ def _summarize(configs, runs, cal, a, say) -> dict:
                          "src": cfg["src"], "dst": cfg["dst"], "src_ranks": cfg["S"], "dst_ranks": cfg["D"],
                          "methods": methods, "reshard": summary})
     errs = [abs(m["error_pct"]) for c in out_cfgs for m in c["methods"].values() if m.get("error_pct") is not None]
+    by_method: dict[str, list[float]] = {}
+    for c in out_cfgs:
+        for name, m in c["methods"].items():
+            if m.get("error_pct") is not None:
+                by_method.setdefault(name, []).append(abs(m["error_pct"]))
     return {
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "transport": "gloo on 127.0.0.1"},
@@ -450,13 +456,14 @@ def _summarize(configs, runs, cal, a, say) -> dict:
         "configs": out_cfgs,
         "prediction_mean_abs_error_pct": sum(errs) / len(errs) if errs else None,
         "prediction_max_abs_error_pct": max(errs) if errs else None,
+        "prediction_abs_error_pct_by_method": {k: {"mean": sum(v) / len(v), "max": max(v)} for k, v in by_method.items()},
         "verified": all_ok,
     }
 
 
 def print_table(r: dict) -> None:
     cal = r["calibration"]
-    print("\n" + _calibration_line(cal).replace("calibration:", "calibration (separate micro-measurement):"))
+    print("\n" + _calibration_line(cal, sep="\n  ").replace("calibration:", "calibration (separate micro-measurement):"))
     head = f"{'model':<10}{'S->I':>6}  {'method':<15}{'first s':>9}{'median s':>10}{'GB moved':>10}{'GB/s':>7}" \
            f"{'extra MB tr/inf':>17}{'predicted':>11}{'error':>8}  ok"
     print(head)
@@ -476,6 +483,8 @@ def print_table(r: dict) -> None:
     if r["prediction_mean_abs_error_pct"] is not None:
         print(f"\nsimulator on these layouts (none used to calibrate it): mean |error| "
               f"{r['prediction_mean_abs_error_pct']:.0f}%, max {r['prediction_max_abs_error_pct']:.0f}%")
+        print("  by method: " + ", ".join(f"{k} {v['mean']:.0f}% (max {v['max']:.0f}%)"
+                                          for k, v in r["prediction_abs_error_pct_by_method"].items()))
     print(f"all methods verified bit-exact: {'yes' if r['verified'] else 'NO'}")
 
 

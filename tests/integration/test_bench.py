@@ -36,6 +36,7 @@ def test_quick_bench_end_to_end(tmp_path):
         assert set(m["peak_extra_bytes"]) == {"trainer", "inference"}
         assert m["predicted_seconds"] > 0 and m["error_pct"] is not None
     assert methods["reshard+verify"]["checksums_ok"] is True
+    assert set(out["prediction_abs_error_pct_by_method"]) == set(methods)
     # Whole tensors to every inference rank: the owner broadcast moves D x the model.
     assert methods["broadcast"]["bytes"] == 2 * cfg["payload_bytes"]
     assert methods["serialized"]["bytes"] > methods["broadcast"]["bytes"] > methods["reshard"]["bytes"]
