@@ -635,6 +635,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     seg_parts, msg_parts = [g], [m]
     nseg = len(g["tensor"])
     templates: dict[bytes, tuple[dict, dict, int]] = {}  # equal relay segments: planned once, stored once
+    busy: dict[int, int] = {}  # rank -> the last round of the chains placed so far that it takes part in
     if options.relay:
         for ranks, (bufs, copies) in sorted(units.items()):
             for r in ranks[1:]:
@@ -661,6 +662,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
             # message j leaves a replica the round after it arrived there, so every link carries
             # the data once, pipelined.
             start = _relay_start(rm, rg, arrival, ranks[0])
+            start = _after_busy(start, ranks, busy)
             for k in range(len(ranks) - 1):
                 lm = dict(rm)
                 lm["src"] = np.full(len(rm["src"]), ranks[k], dtype=np.int64)
@@ -672,6 +674,15 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     G = {k: np.concatenate([p.pop(k) for p in seg_parts]) if len(seg_parts) > 1 else seg_parts[0][k] for k in SEG_KEYS}
     del g, seg_parts
     Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
+    if len(units) > 1:
+        # Chains that share a link number their messages on it together: tags stay unique.
+        order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
+        Mm = {k: _take(v, order) for k, v in Mm.items()}
+        rel = np.flatnonzero(Mm["relay"])
+        o = rel[_order(Mm["src"][rel], Mm["dst"][rel])]
+        start = _group_starts([Mm["src"][o], Mm["dst"][o]])
+        first = np.flatnonzero(start)
+        Mm["tag"][o] = np.arange(len(o)) - first[np.cumsum(start) - 1]
     order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
     Mm = {k: _take(v, order) for k, v in Mm.items()}
     num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
@@ -680,6 +691,20 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     digest = _digest(tensors, Mm, G, T.tensor_names, buffer_names, (S, T))
     return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset,
                 {r: sorted(b) for r, b in relayed.items()})
+
+
+def _after_busy(start: np.ndarray, ranks: tuple[int, ...], busy: dict[int, int]) -> np.ndarray:
+    """Rounds at which a chain's messages leave its head, delayed as a block so that every rank of
+    the chain takes part only after the chains placed before it are done with that rank (a rank
+    in two chains relays one bucket per round, as the staging bound assumes). Updates `busy`."""
+    if not len(start):
+        return start
+    lo, hi, n = int(start.min()), int(start.max()), len(ranks)
+    # Rank k receives on link k-1 (rounds start + k - 1) and sends on link k (rounds start + k).
+    need = max([busy[r] - (lo + max(k - 1, 0)) + 1 for k, r in enumerate(ranks) if r in busy] + [0])
+    for k, r in enumerate(ranks):
+        busy[r] = max(busy.get(r, -1), hi + need + min(k, n - 2))
+    return start + need if need else start
 
 
 def _relay_units(T: LayoutTable, options: PlanOptions, bucket: int):

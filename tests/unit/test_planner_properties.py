@@ -320,9 +320,9 @@ def simulate_rounds(plan) -> None:
 
 
 def check_sizes(plan, opts: PlanOptions) -> None:
-    pairs: dict[tuple[int, int, int], list] = defaultdict(list)
+    pairs: dict[tuple[bool, int, int, int], list] = defaultdict(list)
     for m in plan.messages:
-        pairs[(m.src, m.dst, m.round)].append(m)
+        pairs[(m.relay, m.src, m.dst, m.round)].append(m)  # a relay pair is two inference ranks
         assert m.nbytes == sum(s.nbytes for s in m.segments)
         assert m.nbytes <= opts.max_message_bytes
         if m.send_direct or m.recv_direct:
