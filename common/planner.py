@@ -41,12 +41,13 @@ import heapq
 import math
 import zlib
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
 import numpy as np
 
 from .layout import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
-from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, hash_array, row_strides, unique_rows
+from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, hash_array, row_all, row_any, row_prod, row_strides, unique_rows
 from .tables import dot_rows as _dot
 
 _DTYPE_NAMES = list(DTYPES)
@@ -297,7 +298,7 @@ class Plan:
         out = {k: m[k].view() for k in ("src", "dst", "round", "tag", "nbytes", "relay", "sd", "rd")}
         out["segments"] = m["hi"] - m["lo"]
         # Bytes on the wire: the packed (aligned) size, or the bare bytes when either end is direct.
-        seg_bytes = g["size"].prod(axis=1) * ITEMSIZE[g["ddt"]]
+        seg_bytes = row_prod(g["size"]) * ITEMSIZE[g["ddt"]]
         aligned = np.concatenate(([0], np.cumsum(_align_arr(seg_bytes))))
         staged = aligned[m["hi"]] - aligned[m["lo"]]
         out["wire_bytes"] = np.where(m["sd"] | m["rd"], m["nbytes"], staged)
@@ -432,7 +433,7 @@ def _group_starts(keys: list[np.ndarray]) -> np.ndarray:
     if n:
         new[0] = True
         for k in keys:
-            new[1:] |= k[1:] != k[:-1] if k.ndim == 1 else (k[1:] != k[:-1]).any(axis=1)
+            new[1:] |= k[1:] != k[:-1] if k.ndim == 1 else row_any(k[1:] != k[:-1])
     return new
 
 
@@ -482,7 +483,7 @@ def _next_fit(group: np.ndarray, weights: list[tuple[np.ndarray, int]], vectoriz
 def _split_rows(g: dict[str, np.ndarray], limit: np.ndarray) -> dict[str, np.ndarray]:
     """Rows larger than their element limit, split into sub-boxes (outermost dims first); the
     sub-rows replace their row in place. Also returns the positions of the sub-rows."""
-    numel = g["size"].prod(axis=1)
+    numel = row_prod(g["size"])
     big = np.flatnonzero(numel > limit)
     if not big.size:
         return g, big
@@ -505,8 +506,8 @@ def _split_rows(g: dict[str, np.ndarray], limit: np.ndarray) -> dict[str, np.nda
         sub_size[i, :len(sz)] = sz
     out["off"][pos] += rel
     out["size"][pos] = sub_size
-    out["sstart"][pos] += (rel * out["sstrides"][pos]).sum(axis=1)
-    out["dstart"][pos] += (rel * out["dstrides"][pos]).sum(axis=1)
+    out["sstart"][pos] += _dot(rel, out["sstrides"][pos])
+    out["dstart"][pos] += _dot(rel, out["dstrides"][pos])
     return out, pos
 
 
@@ -519,7 +520,7 @@ def _messages(g: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOpti
     messages of a pair then share a round while their staged bytes fit a bucket and their
     bytes fit max_message_bytes."""
     isz = ITEMSIZE[g["ddt"]]
-    nbytes = g["size"].prod(axis=1) * isz
+    nbytes = row_prod(g["size"]) * isz
     g["sc"] = (g["sdt"] == g["ddt"]) & contiguous(g["size"], g["sstrides"], g["ndim"])
     g["dc"] = contiguous(g["size"], g["dstrides"], g["ndim"])
     g["direct"] = (g["sc"] | g["dc"]) & (nbytes >= options.direct_min_bytes)
@@ -531,7 +532,7 @@ def _messages(g: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOpti
         size, nd = g["size"][pos], g["ndim"][pos]
         g["sc"][pos] &= contiguous(size, g["sstrides"][pos], nd)
         g["dc"][pos] &= contiguous(size, g["dstrides"][pos], nd)
-        nbytes = g["size"].prod(axis=1) * ITEMSIZE[g["ddt"]]
+        nbytes = row_prod(g["size"]) * ITEMSIZE[g["ddt"]]
     n = len(nbytes)
     # Order: pair, destination buffer (by name), destination offset (unique within a buffer).
     pair_key = (g["ps"] << 20) | g["pd"]
@@ -589,11 +590,8 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: set[str] | None) -> Plan:
     options = options or PlanOptions()
     bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
-    names: dict[str, int] = {}
-    S = build_table(src, names, "source", require_full_buffers=False)
-    T = build_table(dst, names, "destination", require_full_buffers=True)
+    S, T, buffer_names = _tables(src, dst)
     check_compatible(src, dst, tensors)
-    buffer_names = sorted(names, key=names.__getitem__)
     name_rank = np.empty(len(buffer_names), dtype=np.int64)
     name_rank[np.argsort(np.array(buffer_names, dtype=object), kind="stable")] = np.arange(len(buffer_names))
     D = max(S.D, T.D)
@@ -705,6 +703,26 @@ def _after_busy(start: np.ndarray, ranks: tuple[int, ...], busy: dict[int, int])
     for k, r in enumerate(ranks):
         busy[r] = max(busy.get(r, -1), hi + need + min(k, n - 2))
     return start + need if need else start
+
+
+def _tables(src: Layout, dst: Layout) -> tuple[LayoutTable, LayoutTable, list[str]]:
+    """Both layouts' tables, built side by side (numpy releases the interpreter lock: the two
+    cores both work), and one buffer-name numbering: the source's names, then the destination's
+    new ones, each in order of first use. The source's error, if both are invalid, comes first."""
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(build_table, src, {}, "source", False)
+        try:
+            T = build_table(dst, {}, "destination", True)
+            err = None
+        except LayoutError as e:
+            T, err = None, e
+        S = fut.result()
+    if err is not None:
+        raise err
+    names = list(dict.fromkeys(S.buf_str_names + T.buf_str_names))
+    index = {n: i for i, n in enumerate(names)}
+    T.buf_name = np.array([index[n] for n in T.buf_str_names], dtype=np.int64)[T.buf_name]
+    return S, T, names
 
 
 def _relay_units(T: LayoutTable, options: PlanOptions, bucket: int):
@@ -884,12 +902,12 @@ def _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary):
     bo_ += np.take(b_size, pair_b, axis=0)
     ihi = np.minimum(po, bo_, out=po)
     del bo_
-    hit = (ihi > ilo).all(axis=1)
+    hit = row_all(ihi > ilo)
     if not hit.all():
         pair_d, pair_b, prow = pair_d[hit], pair_b[hit], prow[hit]
         ilo, ihi = np.compress(hit, ilo, axis=0), np.compress(hit, ihi, axis=0)
     isize = ihi - ilo
-    inumel = isize.prod(axis=1)
+    inumel = row_prod(isize)
     covered = np.bincount(pair_d, weights=inumel, minlength=len(dp_rows)).astype(np.int64)
     gap = np.flatnonzero(covered != T.p_numel[dp_rows])
     if gap.size:
@@ -1028,8 +1046,8 @@ def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tn
         return
     shape = t_shape[b_t]
     strides = row_strides(shape, np.full(len(shape), shape.shape[1]))
-    lo = (b_off * strides).sum(axis=1)
-    hi = lo + ((b_size - 1) * strides).sum(axis=1) + 1
+    lo = _dot(b_off, strides)
+    hi = lo + _dot(b_size - 1, strides) + 1
     o = np.lexsort((lo, b_t))
     t_o = b_t[o]
     bad = (t_o[1:] == t_o[:-1]) & (lo[o][1:] < hi[o][:-1])
@@ -1046,7 +1064,7 @@ def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tn
         same = t_i[shift:] == t_i[:-shift]
         if not same.any():
             break
-        inter = same & (np.maximum(lo_i[shift:], lo_i[:-shift]) < np.minimum(hi_i[shift:], hi_i[:-shift])).all(axis=1)
+        inter = same & row_all(np.maximum(lo_i[shift:], lo_i[:-shift]) < np.minimum(hi_i[shift:], hi_i[:-shift]))
         if inter.any():
             k = int(np.flatnonzero(inter)[0])
             boxes = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -69,6 +70,7 @@ class LayoutTable:
     buf_strides: np.ndarray          # (B, D)
     buf_obj: Sequence[LocalBuffer]  # made on access
     buf_str: list[str]               # buffer names
+    buf_str_names: list[str]         # the buffer-name table `buf_name` indexes when built with its own `names`
     buf_padding: dict[int, tuple]    # buffer row -> declared padding boxes (buffers that have any)
     # pieces (one row per piece of each class's buffers)
     p_tensor: np.ndarray             # tensor id, -1 when unknown
@@ -129,16 +131,22 @@ def _classes(layout: Layout) -> tuple[list[ClassCols], list[int], list[str]]:
 
 
 _TENSOR_COLUMNS: OrderedDict[int, tuple[dict, tuple]] = OrderedDict()
+_TENSOR_LOCK = threading.Lock()
 
 
 def _tensor_columns(tensors: dict) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """Sorted names, shapes (padded with 1), ranks and dtype ids of a tensor dict. The layouts
     built for one model share their dict: its columns are made once (a few recent dicts are kept,
     with a reference, so an id is never reused while cached)."""
-    hit = _TENSOR_COLUMNS.get(id(tensors))
-    if hit is not None and hit[0] is tensors and len(tensors) == len(hit[1][0]):
-        _TENSOR_COLUMNS.move_to_end(id(tensors))
-        return hit[1]
+    with _TENSOR_LOCK:  # the planner builds two tables at once; one computes, the other reuses
+        hit = _TENSOR_COLUMNS.get(id(tensors))
+        if hit is not None and hit[0] is tensors and len(tensors) == len(hit[1][0]):
+            _TENSOR_COLUMNS.move_to_end(id(tensors))
+            return hit[1]
+        return _make_tensor_columns(tensors)
+
+
+def _make_tensor_columns(tensors: dict) -> tuple:
     names = sorted(tensors)
     specs = [tensors[n] for n in names]
     ndim = np.fromiter((len(s.shape) for s in specs), dtype=np.int64, count=len(specs))
@@ -239,9 +247,9 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     roff, rsize, rndim = cat("r_off", 0), cat("r_size", 1), cat("r_ndim")
     off, size, ndim = cat("off", 0), cat("size", 1), cat("ndim")
 
-    bnumel = bshape.prod(axis=1)
+    bnumel = row_prod(bshape)
     bstrides = row_strides(bshape, bndim)
-    numel = size.prod(axis=1)
+    numel = row_prod(size)
     # Where each box sits in its buffer: a region of the buffer's shape, or a flat range that
     # holds the box row-major.
     strides = np.take(bstrides, p_buf, axis=0)
@@ -255,7 +263,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
         layout, D, tnames, t_shape_raw[:, :D] if t_shape_raw.shape[1] >= D else _widen_cols(t_shape_raw, D, 1), t_ndim,
         t_dtype, rank_class, class_ranks,
         b_class, b_name, b_dtype, bshape, bndim, bnumel, bstrides, _Buffers(layout, first_rank[b_class], b_local),
-        [lnames[j] for j in lname.tolist()], padding,
+        [lnames[j] for j in lname.tolist()], sorted(names, key=names.__getitem__), padding,
         p_tensor, p_index, p_buf, p_flat, off, size, ndim, start, strides, numel,
         np.zeros(len(class_ranks), dtype=bool))
     if not check:
@@ -281,7 +289,7 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     pb = t.p_buf
     # Box inside its tensor, same rank.
     bad |= t.p_ndim != np.take(t.tensor_ndim, tix)
-    bad |= ((t.p_off + t.p_size) > np.take(t.tensor_shape, tix, axis=0)).any(axis=1)
+    bad |= row_any((t.p_off + t.p_size) > np.take(t.tensor_shape, tix, axis=0))
     # Dtype: the buffer's must be the tensor's unless casts are declared.
     bdt = np.take(t.buf_dtype, pb)
     if not t.layout.allow_casts:
@@ -291,8 +299,8 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
     flat = t.p_flat
     bad |= flat & ((rndim != 1) | (rsize[:, 0] != t.p_numel) | (roff[:, 0] + rsize[:, 0] > np.take(t.buf_numel, pb)))
     nf = ~flat
-    bad |= nf & ((rndim != t.p_ndim) | (rndim != np.take(t.buf_ndim, pb)) | (rsize != t.p_size).any(axis=1)
-                 | ((roff + rsize) > np.take(t.buf_shape, pb, axis=0)).any(axis=1))
+    bad |= nf & ((rndim != t.p_ndim) | (rndim != np.take(t.buf_ndim, pb)) | row_any(rsize != t.p_size)
+                 | row_any((roff + rsize) > np.take(t.buf_shape, pb, axis=0)))
     cls_bad = np.zeros(t.num_classes, dtype=bool)
     np.logical_or.at(cls_bad, t.buf_class[pb[bad]], True)
 
@@ -337,6 +345,31 @@ def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None
         gap = covered != t.buf_numel
         cls_bad[t.buf_class[gap]] = True
     t.problems = cls_bad
+
+
+def row_prod(a: np.ndarray) -> np.ndarray:
+    """a.prod(axis=1), column by column (numpy's reductions along a short last axis are several
+    times slower than a few whole-column operations)."""
+    out = a[:, 0].copy()
+    for d in range(1, a.shape[1]):
+        out *= a[:, d]
+    return out
+
+
+def row_any(m: np.ndarray) -> np.ndarray:
+    """m.any(axis=1), column by column."""
+    out = m[:, 0].copy()
+    for d in range(1, m.shape[1]):
+        out |= m[:, d]
+    return out
+
+
+def row_all(m: np.ndarray) -> np.ndarray:
+    """m.all(axis=1), column by column."""
+    out = m[:, 0].copy()
+    for d in range(1, m.shape[1]):
+        out &= m[:, d]
+    return out
 
 
 def dot_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -391,4 +424,4 @@ def layout_fingerprint(layout: Layout) -> str:
 def contiguous(size: np.ndarray, strides: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     """Per row: are `strides` row-major contiguous for `size` (dims of size 1 ignored)?"""
     want = row_strides(size, ndim)
-    return ((size == 1) | (strides == want)).all(axis=1)
+    return row_all((size == 1) | (strides == want))
