@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import queue as queue_mod
+import resource
 import secrets
 import statistics
 import sys
@@ -265,6 +266,18 @@ def _bucket(bucket_bytes: int, payload: float) -> int:
     return int(min(bucket_bytes, max(1 << 20, math.ceil(payload / (1 << 20)) << 20)))
 
 
+def _machine_busy_seconds() -> tuple[float, float] | None:
+    """CPU seconds every core of this machine has spent busy so far, and wall seconds; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / hz, time.monotonic()
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
@@ -296,6 +309,7 @@ def run_bench(a) -> int:
 
     host = "127.0.0.1"
     load0 = os.getloadavg()
+    busy0 = _machine_busy_seconds()
     store = TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False)
     port = store.port
     nonce = secrets.token_hex(4)
@@ -360,6 +374,13 @@ def run_bench(a) -> int:
     cal = calibration(raw, spans, shapes)
     results = _summarize(configs, runs, cal, a, say)
     results["machine"]["load_average_start_end"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
+    busy1 = _machine_busy_seconds()
+    if busy0 is not None and busy1 is not None:
+        ours = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                   for f in ("ru_utime", "ru_stime"))
+        results["machine"]["cpu_seconds"] = {"wall": round(busy1[1] - busy0[1], 1), "busy": round(busy1[0] - busy0[0], 1),
+                                             "bench": round(ours, 1),
+                                             "others": round(max(0.0, busy1[0] - busy0[0] - ours), 1)}
     if a.json:
         print(json.dumps(results, indent=2))
     else:
@@ -485,6 +506,11 @@ def print_table(r: dict) -> None:
               f"{r['prediction_mean_abs_error_pct']:.0f}%, max {r['prediction_max_abs_error_pct']:.0f}%")
         print("  by method: " + ", ".join(f"{k} {v['mean']:.0f}% (max {v['max']:.0f}%)"
                                           for k, v in r["prediction_abs_error_pct_by_method"].items()))
+    cpu = r["machine"].get("cpu_seconds")
+    if cpu:
+        print(f"machine: {r['machine']['cores']} cores, load average {r['machine']['load_average_start_end'][0]} at the "
+              f"start; of {cpu['busy']:.0f} busy core-seconds in {cpu['wall']:.0f} s, other processes used "
+              f"{cpu['others']:.0f}")
     print(f"all methods verified bit-exact: {'yes' if r['verified'] else 'NO'}")
 
 
