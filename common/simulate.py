@@ -143,8 +143,7 @@ class Phase:
     steps: float = 0.0
     """Synchronisation steps the phase runs one after another (rounds, broadcast windows)."""
     step: str = "round"
-    """What one step costs: 'round' (point-to-point, `round_s`), 'collective' (`collective_s`) or
-    'message' (one message waited for in turn, `latency_s`)."""
+    """What one step costs: 'round' (point-to-point, `round_s`) or 'collective' (`collective_s`)."""
 
     def add(self, a: int, b: int, nbytes: float, messages: float = 1.0) -> None:
         cur = self.links.get((a, b))
@@ -248,7 +247,7 @@ def _cpu_work(c: Cluster, ph: Phase) -> dict[int, float]:
 def _steps_and_fill(c: Cluster, pl: _Placement, ph: Phase) -> float:
     """The phase's synchronisation steps, and one pipelined step per extra chain link (the
     largest relay message on the slowest link used)."""
-    t = ph.steps * {"collective": c.collective_s, "message": c.latency_s}.get(ph.step, c.round_s)
+    t = ph.steps * (c.collective_s if ph.step == "collective" else c.round_s)
     if ph.fill_steps and ph.links:
         slowest = min(c.nvlink_gbps if pl.node(a) == pl.node(b) else c.nic_gbps for a, b in ph.links) * GB
         # A measured collective step already holds its tree's latencies; other fills pay one per link.
@@ -397,9 +396,9 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True,
         phases.insert(0, lead)
     if checksums:
         # Senders checksum every segment they send, during the transfer; after an exchange (each
-        # inference rank receives two messages from every trainer rank, in turn), every inference
-        # rank checksums what it received.
-        verify = Phase("verify", steps=2.0 * S, step="message")
+        # inference rank waits for two messages from every trainer rank, one after another: a
+        # synchronisation step each), every inference rank checksums what it received.
+        verify = Phase("verify", steps=2.0 * S)
         for ranks, ph, rows in ((a, src, sent), (b, verify, np.ones_like(sent))):
             ur, ri = np.unique(ranks[rows], return_inverse=True)
             nb = np.bincount(ri, weights=t["nbytes"][rows], minlength=len(ur))

@@ -118,10 +118,31 @@ def test_steps_and_the_start_cost():
     rounds = Phase("source", steps=4)
     rounds.add(0, 2, 0.3 * GB)  # 0.15 s at the one-pair rate; 0.1 s on the cores
     windows = Phase("owner broadcast", steps=2, step="collective")
-    msgs = Phase("verify", steps=3, step="message")
-    p = predict(c, 2, 1, [rounds, windows, msgs])
-    assert [r.seconds for r in p.phases] == pytest.approx([0.15 + 0.004, 0.010, 0.003])
-    assert p.seconds == pytest.approx(0.25 + 0.154 + 0.010 + 0.003)
+    p = predict(c, 2, 1, [rounds, windows])
+    assert [r.seconds for r in p.phases] == pytest.approx([0.15 + 0.004, 0.010])
+    assert p.seconds == pytest.approx(0.25 + 0.154 + 0.010)
+
+
+def test_plan_traffic_packing_first_and_verification():
+    """The first round's packing is a phase of its own; verification checksums what every sender
+    sends and every receiver receives, after 2 x S exchange steps."""
+    src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=2")
+    plan = make_plan(src, dst, PlanOptions(relay=False))
+    plain = {p.name: p for p in plan_traffic(plan)}
+    ph = {p.name: p for p in plan_traffic(plan, checksums=True)}
+    assert list(ph) == ["first packing", "source", "verify"]
+    staged = {}
+    for m in plan.messages:
+        if not m.send_direct:
+            staged[m.src] = staged.get(m.src, 0) + m.nbytes
+    for r, n in staged.items():  # one round here: the sender packs everything before it sends
+        assert plain["first packing"].copies[r] + plain["source"].copies[r] == n
+    assert ph["verify"].steps == 2 * 2
+    for d in range(4):
+        assert ph["verify"].checksums[2 + d] == sum(m.nbytes for m in plan.messages if m.dst == d)
+    for s in range(2):
+        assert ph["source"].checksums[s] == sum(m.nbytes for m in plan.messages if m.src == s)
+        assert ph["source"].checksum_ops[s] == sum(len(m.segments) for m in plan.messages if m.src == s)
 
 
 def test_a_shared_host_needs_its_rates():
