@@ -30,9 +30,9 @@ ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
 
 
 def row_strides(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:
-    """Row-major strides of each row's size (dims past ndim get stride 0)."""
+    """Row-major strides of each row's size (dims past ndim, which hold size 1, get stride 0)."""
     D = size.shape[1]
-    out = np.zeros_like(size)
+    out = np.empty_like(size)
     acc = np.ones(len(size), dtype=np.int64)
     uniform = len(ndim) and int(ndim.min()) == int(ndim.max())
     for d in range(D - 1, -1, -1):
@@ -40,10 +40,11 @@ def row_strides(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:
             if d < int(ndim[0]):
                 out[:, d] = acc
                 acc = acc * size[:, d]
+            else:
+                out[:, d] = 0
             continue
-        live = d < ndim
-        out[:, d] = np.where(live, acc, 0)
-        acc = np.where(live, acc * size[:, d], acc)
+        np.multiply(acc, d < ndim, out=out[:, d])
+        acc = acc * size[:, d]  # a padded dim's size is 1
     return out
 
 
