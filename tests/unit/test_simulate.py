@@ -294,3 +294,45 @@ def test_overlapping_relay_phase_shares_ports():
     assert both.seconds == pytest.approx(1.0 + 0.1) and [p.name for p in both.phases] == ["source+relay"]
     relay.add(0, 2, 10 * GB)    # now trainer 0's egress carries 20 GB in the merged phase
     assert predict(c, 1, 2, [src, relay]).seconds == pytest.approx(2.0 + 0.1)
+
+
+def test_local_profile_from_calibration_spans():
+    """The bench's calibration: a rate is bytes over the span from the first rank's start to the
+    last rank's end, the median over the passes after the warm one; steps are spans over 50."""
+    from reshard.bench import _STEPS, _local_cluster, calibration
+
+    raw = {"ranks": 4, "latency_s": 1e-4, "copy_gbps": 5.0, "copy_op_s": 5e-6, "checksum_gbps": 2.0,
+           "checksum_op_s": 1e-4, "stream_bytes": 1e9}
+    spans = []
+    for rep, (one, two) in enumerate([(9.0, 9.0), (0.5, 0.5), (0.4, 0.8), (0.5, 1.0)]):  # pass 0 is the warm-up
+        spans += [(("stream", 1), rep, 0, 10.0, 10.0 + one), (("stream", 1), rep, 1, 10.1, 10.0 + one)]
+        spans += [(("stream", 2), rep, g, 20.0, 20.0 + two * (g + 1) / 4) for g in range(4)]
+        spans += [(("rounds", 2, 2), rep, g, 0.0, 0.1) for g in range(4)]
+        spans += [(("windows", 2, 2), rep, g, 0.0, 0.2) for g in range(4)]
+    spans += [(("start", 2, 2), rep, g, 0.0, 0.003) for rep in range(3) for g in range(4)]
+    cal = calibration(raw, spans, [(2, 2)])
+    assert cal["pair_gbps"] == pytest.approx(1e9 / 0.5 / 1e9)  # median of 0.5, 0.4, 0.5 s
+    shape = cal["shapes"]["2->2"]
+    assert shape["aggregate_streams"] == 2
+    assert shape["aggregate_gbps"] == pytest.approx(2e9 / 0.8 / 1e9)  # median of 0.5, 0.8, 1.0 s
+    assert shape["round_s"] == pytest.approx(0.1 / _STEPS)
+    assert shape["collective_s"] == pytest.approx(0.2 / _STEPS)
+    assert shape["start_s"] == pytest.approx(0.003 - 0.1 / _STEPS)
+    c = _local_cluster(cal, 2, 2)
+    assert (c.nvlink_gbps, c.node_cpu_gbps, c.round_s) == pytest.approx((2.0, 2.5, 0.002))
+    assert c.colocated and c.broadcast == "tree" and c.cores >= 1
+
+
+def test_owner_broadcast_windows_follow_the_owners():
+    """Window k holds every owner's k-th box; every receiver copies out what it keeps."""
+    from reshard.common.bench_methods import _owner_items, owner_broadcast_windows
+
+    src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2")
+    items = _owner_items(src)
+    windows = owner_broadcast_windows(src, dst)
+    assert len(windows) == max(len(v) for v in items.values())
+    for o, v in items.items():
+        assert [n for w in windows for (owner, n, _) in w["items"] if owner == o] == [it.nbytes for it in v]
+    for d in (2, 3):
+        kept = sum(w["keep"][d][0] for w in windows)
+        assert kept == sum(p.box.numel * 2 for b in dst.ranks[d - 2] for p in b.pieces)  # bf16: all it holds
