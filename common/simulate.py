@@ -11,19 +11,26 @@ its busiest resource:
     t(resource) = bytes(resource) / bandwidth(resource) [+ messages * latency on egress]
     t(phase)    = max over resources of t(resource)  (+ pipeline fill, see below)
 
-and an update takes the sum of its phases. Two more resources exist where configured:
-packing/unpacking copies on a rank (`copy_gbps`), and one shared CPU per node
-(`node_cpu_gbps`, the local profile: all processes share the same cores, so the wire
-bytes of the whole node and its copies add up on one resource rather than overlapping).
+plus the phase's synchronisation steps (`round_s`, `collective_s`), and an update takes
+the sum of its phases plus `start_s`. Packing/unpacking copies (`copy_gbps`, `copy_op_s`)
+and checksums (`checksum_gbps`, `checksum_op_s`) are a resource of their rank where
+configured (free on GPUs by default).
+
+The local profile (`cores` set: the bench's machine) is a shared host instead: every rank
+is a process on the same cores. A phase lasts as long as the busier of each process's own
+work, done in turn (the bytes it sends and receives at the one-pair rate, its copies, its
+checksums), and the shared cores (every wire byte at the aggregate rate of concurrent
+streams, `node_cpu_gbps`, plus everyone's CPU work divided over the cores).
 
 Traffic comes from the planner's plan, message by message (`wire_bytes` per
 (source, destination) pair): the source phase holds every trainer -> inference message;
 the relay phase holds replica -> replica relays, plus the fill of its pipelined chains
 (one step per extra link). The engine starts a relay as soon as its buffers have landed,
 so the relay phase runs during the source phase: the two are timed as one phase whose
-ports carry both loads. The serialized baseline is
-modelled as our own implementation runs it: gather onto trainer rank 0, then broadcast
-from there (NCCL-like pipelined rings on a cluster, gloo's binomial tree locally).
+ports carry both loads. A sender packs its first round before it sends anything: that
+packing is a phase of its own. The serialized baseline is modelled as our own
+implementation runs it: rank 0 copies its own shards, gathers the others', then
+broadcasts (NCCL-like pipelined rings on a cluster, gloo's binomial tree locally).
 
 `hierarchical` models NCCL M2N's hierarchical algorithm: bytes that cross nodes are
 spread evenly over all NICs of the source node and of the destination node, moving

@@ -3,9 +3,10 @@ the raw ceiling, side by side, on the same layouts, bytes and transport, in one 
 
 One process per rank (trainer ranks, then inference ranks), spawned once, all on one
 TCPStore; each layout pair gets a fresh gloo session among the ranks it uses. Before the
-layouts, a separate micro-measurement (ping-pong, streams, copies) calibrates the
-simulator's local profile, which then predicts every measured time: nothing is fitted to the
-bench's own results. Each method runs once first (poisoned receive buffers, then a bit-exact
+layouts, a separate micro-measurement with synthetic buffers (ping-pong, streams at each layout
+pair's concurrency, rounds of tiny messages, windows of tiny broadcasts, copies, checksums)
+calibrates the simulator's local profile, which then predicts every measured time: nothing is
+fitted to the bench's own results. Each method runs once first (poisoned receive buffers, then a bit-exact
 check against an independent regeneration of the weights: reported apart as the first
 update), then `--repeats` more times; methods rotate each repeat so drift favours none.
 """
