@@ -211,3 +211,138 @@ class ColumnRanks(Sequence):
 
     def __repr__(self) -> str:
         return f"ColumnRanks({len(self)} ranks, {len(self.classes)} classes)"
+
+
+# -- the wire form ------------------------------------------------------------------------
+
+WIRE_MAGIC = b"RSL2c"
+_PIECE_FIELDS = ("p_tensor", "p_buf", "p_flat", "r_off", "r_size", "r_ndim", "off", "size", "ndim")
+_BUF_FIELDS = ("buf_name", "buf_dtype", "buf_shape", "buf_ndim")
+
+
+def layout_classes(layout) -> tuple[list[str], list[ClassCols], list[int]]:
+    """(buffer names, classes as columns, each rank's class) of any layout: a columnar one as it
+    is, one of Python buffers read once per distinct buffers object."""
+    ranks = layout.ranks
+    if isinstance(ranks, ColumnRanks):
+        return ranks.buffer_names, ranks.classes, ranks.rank_class
+    tid = {n: i for i, n in enumerate(sorted(layout.tensors))}
+    by_id: dict[int, int] = {}
+    classes: list[ClassCols] = []
+    rank_class = []
+    name_id: dict[str, int] = {}
+    for bufs in ranks:
+        c = by_id.get(id(bufs))
+        if c is None:
+            c = by_id[id(bufs)] = len(classes)
+            classes.append(ClassCols.from_buffers(bufs, tid, name_id))
+        rank_class.append(c)
+    return sorted(name_id, key=name_id.__getitem__), classes, rank_class
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    if a.dtype == bool:
+        return a.astype(np.uint8)
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())
+        for t in (np.int8, np.int16, np.int32):
+            if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max:
+                return a.astype(t)
+    return a.astype(np.int64)
+
+
+def encode(layout) -> bytes:
+    """The layout's wire form: a JSON header (tensors, buffer names, classes, padding) and the
+    classes' columns as narrow little-endian integer arrays, zlib-compressed. Encoding and
+    decoding are array copies, not per-piece work: a DeepSeek-V3 vLLM layout (1.1 million
+    pieces) takes a fraction of a second each way."""
+    import json
+    import zlib
+
+    names, classes, rank_class = layout_classes(layout)
+    w = max([1] + [k.buf_shape.shape[1] for k in classes])
+    classes = [k.widen(w) for k in classes]
+    blobs, arrays = [], []
+    for f in _BUF_FIELDS + _PIECE_FIELDS:
+        parts = [getattr(k, f) for k in classes]
+        a = _narrow(np.concatenate(parts) if parts else np.zeros((0, w) if f in _WIDE else 0, np.int64))
+        a = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<")))
+        arrays.append([f, a.dtype.str, list(a.shape)])
+        blobs.append(a.tobytes())
+    header = {
+        "v": 2, "tensors": [[t.name, list(t.shape), t.dtype] for t in layout.tensors.values()],
+        "allow_casts": layout.allow_casts, "dtypes": DTYPE_NAMES, "buffer_names": names, "rank_class": list(rank_class),
+        "buffers": [k.num_buffers for k in classes], "pieces": [k.num_pieces for k in classes], "width": w,
+        "padding": [[c, b, [p.to_json() for p in pads]] for c, k in enumerate(classes) for b, pads in sorted(k.buf_padding.items())],
+        "arrays": arrays,
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return WIRE_MAGIC + zlib.compress(len(head).to_bytes(8, "little") + head + b"".join(blobs), 1)
+
+
+def decode(data: bytes):
+    """A layout from `encode`'s bytes (its ranks as `ColumnRanks`), checked for consistency:
+    LayoutError on malformed input. (Whether the layout is valid is the planner's check.)"""
+    import json
+    import zlib
+
+    from .layout import Layout, LayoutError, TensorSpec
+
+    try:
+        raw = zlib.decompress(data[len(WIRE_MAGIC):])
+        n = int.from_bytes(raw[:8], "little")
+        h = json.loads(raw[8:8 + n])
+        tensors = {name: TensorSpec(name, tuple(shape), dt) for name, shape, dt in h["tensors"]}
+        pos, cols = 8 + n, {}
+        for f, dt, shape in h["arrays"]:
+            if f not in _BUF_FIELDS + _PIECE_FIELDS or np.dtype(dt).kind not in "iu":
+                raise ValueError(f"unexpected array {f!r} of {dt}")
+            size = int(np.prod(shape)) * np.dtype(dt).itemsize
+            if pos + size > len(raw):
+                raise ValueError("truncated arrays")
+            cols[f] = np.frombuffer(raw, dtype=dt, count=int(np.prod(shape)), offset=pos).reshape(shape).astype(np.int64)
+            pos += size
+        nb, npc, w, names = list(h["buffers"]), list(h["pieces"]), int(h["width"]), list(h["buffer_names"])
+        rank_class = [int(c) for c in h["rank_class"]]
+        _check_wire(cols, nb, npc, w, len(tensors), len(names), rank_class)
+        remap = np.array([DTYPE_IDS.get(d, -1) for d in h["dtypes"]] + [-1], dtype=np.int64)
+        cols["buf_dtype"] = remap[np.where(cols["buf_dtype"] < 0, len(h["dtypes"]), cols["buf_dtype"])]
+        cols["p_flat"] = cols["p_flat"].astype(bool)
+        padding: dict[tuple[int, int], tuple[Box, ...]] = {}
+        for c, b, pads in h["padding"]:
+            padding[(int(c), int(b))] = tuple(Box(tuple(o), tuple(s)) for o, s in pads)
+        classes = []
+        b0 = p0 = 0
+        for c, (bc, pc) in enumerate(zip(nb, npc)):
+            kw = {f: cols[f][b0:b0 + bc] for f in _BUF_FIELDS}
+            kw.update({f: cols[f][p0:p0 + pc] for f in _PIECE_FIELDS})
+            classes.append(ClassCols(buf_padding={b: p for (cc, b), p in padding.items() if cc == c}, **kw))
+            b0, p0 = b0 + bc, p0 + pc
+        return Layout(tensors, ColumnRanks(sorted(tensors), names, classes, rank_class), bool(h.get("allow_casts", False)))
+    except LayoutError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, zlib.error, UnicodeDecodeError) as e:
+        raise LayoutError(f"malformed layout: {e}") from e
+
+
+def _check_wire(cols: dict, nb: list[int], npc: list[int], w: int, ntensors: int, nnames: int, rank_class: list[int]) -> None:
+    B, P = sum(nb), sum(npc)
+    for f in _BUF_FIELDS + _PIECE_FIELDS:
+        want = (B if f in _BUF_FIELDS else P,) + ((w,) if f in _WIDE else ())
+        if cols.get(f) is None or cols[f].shape != want:
+            raise ValueError(f"array {f!r} has shape {None if cols.get(f) is None else cols[f].shape}, not {want}")
+    if any(c < 0 or c >= len(nb) for c in rank_class) or any(x < 0 for x in nb + npc):
+        raise ValueError("class indexes out of range")
+    if B and (cols["buf_name"].min() < 0 or cols["buf_name"].max() >= nnames):
+        raise ValueError("buffer name ids out of range")
+    if P and (cols["p_tensor"].min() < -1 or cols["p_tensor"].max() >= ntensors):
+        raise ValueError("tensor ids out of range")
+    for f in ("buf_ndim", "r_ndim", "ndim"):
+        if len(cols[f]) and (cols[f].min() < 0 or cols[f].max() > w):
+            raise ValueError(f"{f} out of range")
+    # Pieces are ordered by buffer within each class, and name one of its buffers.
+    pb = cols["p_buf"]
+    cls_of = np.repeat(np.arange(len(npc)), npc)
+    if P and ((pb < 0).any() or (pb >= np.array(nb)[cls_of]).any()
+              or ((np.diff(pb) < 0) & (cls_of[1:] == cls_of[:-1])).any()):
+        raise ValueError("piece buffer indexes out of range or out of order")

@@ -282,9 +282,14 @@ class Layout:
         }
 
     def to_bytes(self) -> bytes:
-        """The wire form: compact JSON, zlib-compressed (a DeepSeek-V3 vLLM layout is ~40 MB of
-        JSON and ~4 MB on the wire), behind a short magic prefix."""
-        return _ZMAGIC + zlib.compress(json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode(), 1)
+        """The wire form: columns, not pieces (`reshard.common.columns.encode`), made once per layout.
+        `from_bytes` also reads the earlier JSON forms."""
+        data = self._memo.get("bytes")
+        if data is None:
+            from .columns import encode
+
+            data = self._memo["bytes"] = encode(self)
+        return data
 
     @staticmethod
     def from_json(obj: dict) -> Layout:
@@ -316,6 +321,10 @@ class Layout:
 
     @staticmethod
     def from_bytes(data: bytes) -> Layout:
+        from .columns import WIRE_MAGIC, decode
+
+        if data[:len(WIRE_MAGIC)] == WIRE_MAGIC:
+            return decode(data)
         try:
             if data[:len(_ZMAGIC)] == _ZMAGIC:
                 data = zlib.decompress(data[len(_ZMAGIC):])
