@@ -623,7 +623,7 @@ def _heap_for_planning():
     was_hp = hp(False) if hp else None
     libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's ceiling, and where its own dynamic threshold ends
     libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    libc.mallopt(_M_TOP_PAD, 64 << 20)
+    libc.mallopt(_M_TOP_PAD, 16 << 20)
     try:
         yield
     finally:
@@ -660,15 +660,28 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
         fut = pool.submit(_source_boxes, S, src, D, s2d, s_off, s_size, t_shape, T.tensor_names)
         primary = np.array([r[0] for r in T.class_ranks], dtype=np.int64)
         units, rep, head = _relay_units(T, options, bucket) if options.relay else ({}, None, primary[T.buf_class])
+        live = (T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True)
+        if rep is not None:
+            live &= np.take(rep, T.p_buf) == T.p_buf  # a copy of a buffer fed elsewhere arrives by relay
+        dp_rows = np.flatnonzero(live)
         rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks = fut.result()
-    live = (T.p_numel > 0) & (subset[T.p_tensor] if subset is not None else True)
-    if rep is not None:
-        live &= np.take(rep, T.p_buf) == T.p_buf  # a copy of a buffer fed elsewhere arrives by relay
-    dp_rows = np.flatnonzero(live)
-    inter = _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary)
+        # Source boxes that overlap without being replicas are an error: checked while the
+        # intersections run, and reported before any error of theirs.
+        check = pool.submit(_check_source_overlap, S, src, b_t, b_off, b_size, t_shape, rows, b_first, T.tensor_names)
+        try:
+            inter, err = _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary), None
+        except Exception as e:  # noqa: BLE001 -- re-raised below, after the overlap check
+            inter, err = None, e
+        check.result()
+        if err is not None:
+            raise err
     g = _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_ranks, *inter, head, s_off, s_strides,
                           d_off, d_strides)
     del inter, rows, b_first, b_count, b_t, b_off, b_size, hs, hs_ranks, dp_rows
+    layouts_hash = hashlib.sha256()  # the digest covers both layouts' buffers: hashed now, and the
+    for tbl in (S, T):               # source table's piece columns freed (the plan no longer needs them)
+        tbl.hash_buffers(layouts_hash)
+    del S, s_off, s_size, s_strides
     g, m = _messages(g, name_rank, options, bucket)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     peers = max(1, options.staging_limit // (2 * bucket))
@@ -731,13 +744,14 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
         o = rel[_order(Mm["src"][rel], Mm["dst"][rel])]
         start = _group_starts([Mm["src"][o], Mm["dst"][o]])
         first = np.flatnonzero(start)
-        Mm["tag"][o] = np.arange(len(o)) - first[np.cumsum(start) - 1]
-    order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
-    Mm = {k: _take(v, order) for k, v in Mm.items()}
+        Mm["tag"][o] = np.arange(len(o)) - first[np.cumsum(start) - 1]  # keeps the order just made
+    else:
+        order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
+        Mm = {k: _take(v, order) for k, v in Mm.items()}
     num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
     # The digest covers the plan and the buffers of both layouts (their pieces enter through the
     # plan's segments); the layouts' full fingerprints are not needed for it.
-    digest = _digest(tensors, Mm, G, T.tensor_names, buffer_names, (S, T))
+    digest = _digest(tensors, Mm, G, T.tensor_names, buffer_names, layouts_hash.digest())
     return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset,
                 {r: sorted(b) for r, b in relayed.items()})
 
@@ -773,6 +787,7 @@ def _tables(src: Layout, dst: Layout) -> tuple[LayoutTable, LayoutTable, list[st
     names = list(dict.fromkeys(S.buf_str_names + T.buf_str_names))
     index = {n: i for i, n in enumerate(names)}
     T.buf_name = np.array([index[n] for n in T.buf_str_names], dtype=np.int64)[T.buf_name]
+    S.buf_str_names = T.buf_str_names = names
     return S, T, names
 
 
@@ -893,7 +908,6 @@ def _source_boxes(S, src, D, s2d, s_off, s_size, t_shape, tnames):
     b_count = np.diff(np.append(b_first, len(rows)))
     b_row = rows[b_first]                       # a representative piece row per distinct box
     b_t, b_off, b_size = st[b_row], s_off[b_row], s_size[b_row]
-    _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tnames)
     # Holder sets: one class -> that class's ranks; several -> their union, interned.
     nclass = S.num_classes
     hs = cls[b_first].copy()
@@ -935,8 +949,8 @@ def _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary):
     ddc = np.maximum(dd, 0)
     a0 = d_off.reshape(-1)[dp_rows * D + ddc]
     a1 = a0 + d_size.reshape(-1)[dp_rows * D + ddc]
-    t_lo = np.searchsorted(b_t_s, dt_, "left")
-    t_hi = np.searchsorted(b_t_s, dt_, "right")
+    t_start = np.searchsorted(b_t_s, np.arange(ntens + 1), "left")  # each tensor's run of boxes
+    t_lo, t_hi = np.take(t_start, dt_), np.take(t_start, dt_ + 1)
     every = dd < 0
     lo = np.where(every, t_lo, np.searchsorted(key_hi, dt_ * M + a0, "right"))
     hi = np.where(every, t_hi, np.searchsorted(key_lo, dt_ * M + a1, "left"))
@@ -1277,15 +1291,30 @@ def _split_box(size: tuple[int, ...], max_elems: int) -> list[tuple[tuple[int, .
     return out
 
 
-def _digest(tensors, m: dict, g: dict, tnames: list[str], bnames: list[str], tables) -> str:
-    h = hashlib.sha256()  # (the fastest digest here on numpy buffers)
-    for t in tables:
-        t.hash_buffers(h)
+def _digest(tensors, m: dict, g: dict, tnames: list[str], bnames: list[str], layouts: bytes) -> str:
+    """sha256 (the fastest digest here on numpy buffers) of the segments, computed in a second
+    thread, and of everything else."""
+    def segments() -> bytes:
+        hg = hashlib.sha256()
+        for k in sorted(g):
+            hg.update(k.encode())
+            hash_array(hg, g[k])
+        return hg.digest()
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(segments)
+        h = _digest_rest(tensors, m, tnames, bnames, layouts)
+        h.update(fut.result())
+    return h.hexdigest()[:16]
+
+
+def _digest_rest(tensors, m: dict, tnames: list[str], bnames: list[str], layouts: bytes):
+    h = hashlib.sha256()
+    h.update(layouts)
     h.update(("*" if tensors is None else ",".join(sorted(tensors))).encode())
     h.update("\0".join(tnames).encode())
     h.update("\0".join(bnames).encode())
-    for d in (m, g):
-        for k in sorted(d):
-            h.update(k.encode())
-            hash_array(h, d[k])
-    return h.hexdigest()[:16]
+    for k in sorted(m):
+        h.update(k.encode())
+        hash_array(h, m[k])
+    return h

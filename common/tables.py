@@ -70,8 +70,7 @@ class LayoutTable:
     buf_numel: np.ndarray
     buf_strides: np.ndarray          # (B, D)
     buf_obj: Sequence[LocalBuffer]  # made on access
-    buf_str: list[str]               # buffer names
-    buf_str_names: list[str]         # the buffer-name table `buf_name` indexes when built with its own `names`
+    buf_str_names: list[str]         # the buffer-name table `buf_name` indexes
     buf_padding: dict[int, tuple]    # buffer row -> declared padding boxes (buffers that have any)
     # pieces (one row per piece of each class's buffers)
     p_tensor: np.ndarray             # tensor id, -1 when unknown
@@ -85,15 +84,37 @@ class LayoutTable:
     p_strides: np.ndarray            # (P, D) element strides of the box inside the buffer
     p_numel: np.ndarray
     problems: np.ndarray             # (classes,) bool: the fast checks could not clear this class
+    _buf_str: list[str] | None = None
 
     @property
     def num_classes(self) -> int:
         return len(self.class_ranks)
 
+    @property
+    def buf_str(self) -> list[str]:
+        """Each buffer row's name."""
+        names = self._buf_str
+        if names is None:
+            names = self._buf_str = [self.buf_str_names[j] for j in self.buf_name.tolist()]
+        return names
+
+    def _canonical_names(self) -> tuple[list[str], np.ndarray]:
+        """The buffer names in order of first use and each row's index in that list (the same
+        for equal layouts however built)."""
+        if not len(self.buf_name):
+            return [], self.buf_name
+        u, first = np.unique(self.buf_name, return_index=True)
+        order = u[np.argsort(first, kind="stable")]
+        rank = np.empty(int(u.max()) + 1, dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        return [self.buf_str_names[j] for j in order.tolist()], rank[self.buf_name]
+
     def hash_buffers(self, h) -> None:
         """Feed the buffers (not the pieces) and the rank classes to hash `h`."""
         h.update(repr((self.layout.allow_casts, len(self.rank_class))).encode())
-        h.update("\0".join(self.buf_str).encode())
+        names, ids = self._canonical_names()
+        h.update("\0".join(names).encode())
+        hash_array(h, ids)
         h.update(repr(sorted(self.buf_padding.items())).encode())
         for a in (self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape):
             hash_array(h, a)
@@ -102,7 +123,9 @@ class LayoutTable:
         """A digest of the layout's content, equal for equal layouts however they were built."""
         h = hashlib.sha256()
         h.update(repr((self.layout.allow_casts, self.tensor_names)).encode())
-        h.update("\0".join(self.buf_str).encode())
+        names, ids = self._canonical_names()
+        h.update("\0".join(names).encode())
+        hash_array(h, ids)
         h.update(repr(sorted(self.buf_padding.items())).encode())
         # Strides and piece indexes follow from these (buffer shapes, flat flags, piece order).
         for a in (self.tensor_shape, self.tensor_dtype, self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape,
@@ -264,7 +287,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
         layout, D, tnames, t_shape_raw[:, :D] if t_shape_raw.shape[1] >= D else _widen_cols(t_shape_raw, D, 1), t_ndim,
         t_dtype, rank_class, class_ranks,
         b_class, b_name, b_dtype, bshape, bndim, bnumel, bstrides, _Buffers(layout, first_rank[b_class], b_local),
-        [lnames[j] for j in lname.tolist()], sorted(names, key=names.__getitem__), padding,
+        sorted(names, key=names.__getitem__), padding,
         p_tensor, p_index, p_buf, p_flat, off, size, ndim, start, strides, numel,
         np.zeros(len(class_ranks), dtype=bool))
     if not check:
