@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .columns import DTYPE_IDS, ClassCols, ColumnRanks, pad_rows
+from .columns import DTYPE_IDS, ClassCols, layout_classes, pad_rows
 from .layout import DTYPES, Layout, LocalBuffer
 
 ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
@@ -134,26 +134,6 @@ class LayoutTable:
         return h.hexdigest()[:32]
 
 
-def _classes(layout: Layout) -> tuple[list[ClassCols], list[int], list[str]]:
-    """The layout's classes as columns, each rank's class, and the buffer-name list the columns'
-    ids index. Ranks sharing one buffers object are read once."""
-    ranks = layout.ranks
-    if isinstance(ranks, ColumnRanks):
-        return ranks.classes, ranks.rank_class, ranks.buffer_names
-    tid = {n: i for i, n in enumerate(sorted(layout.tensors))}
-    by_id: dict[int, int] = {}
-    classes: list[ClassCols] = []
-    id_class = []
-    name_id: dict[str, int] = {}
-    for bufs in ranks:
-        c = by_id.get(id(bufs))
-        if c is None:
-            c = by_id[id(bufs)] = len(classes)
-            classes.append(ClassCols.from_buffers(bufs, tid, name_id))
-        id_class.append(c)
-    return classes, id_class, sorted(name_id, key=name_id.__getitem__)
-
-
 _TENSOR_COLUMNS: OrderedDict[int, tuple[dict, tuple]] = OrderedDict()
 _TENSOR_LOCK = threading.Lock()
 
@@ -213,7 +193,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     """Columns of `layout` (buffer names interned into `names`), checked unless `check` is
     false: raises LayoutError on an invalid layout."""
     tnames, t_shape_raw, t_ndim, t_dtype = _tensor_columns(layout.tensors)
-    classes, id_class, lnames = _classes(layout)
+    lnames, classes, id_class = layout_classes(layout)
 
     # Merge classes with equal content (hand-built or decoded layouts, replicas built apart).
     canon = list(range(len(classes)))
