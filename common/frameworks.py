@@ -16,9 +16,11 @@ Canonical names are Hugging Face's. Spec strings read `framework=megatron,tp=2,p
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import gc
+import itertools
 
 import numpy as np
 
@@ -555,16 +557,19 @@ def fsdp(m: ModelSpec, dp: int = 1, flat: int = 1) -> Layout:
     t = m.tensors()
     ranks = []
     if flat:
-        total = sum(s.numel for s in t.values())
+        specs = list(t.values())
+        starts = list(itertools.accumulate((s.numel for s in specs), initial=0))
+        total = starts[-1]
         per = _pad(total, dp) // dp
         for r in range(dp):
             lo, hi = r * per, min((r + 1) * per, total)
-            pieces, pos = [], 0
-            for s in t.values():
+            pieces = []
+            # Only the tensors whose ranges meet [lo, hi): found by bisection, not by a scan.
+            for i in range(max(0, bisect.bisect_right(starts, lo) - 1), bisect.bisect_left(starts, hi)):
+                s, pos = specs[i], starts[i]
                 a, b = max(lo, pos), min(hi, pos + s.numel)
                 if a < b:
                     pieces += flat_pieces(s.name, s.shape, a - pos, b - pos, a - lo)
-                pos += s.numel
             real = max(0, hi - lo)
             padding = (Box((real,), (per - real,)),) if real < per else ()
             ranks.append((LocalBuffer("flat_param", (per,), m.dtype, tuple(pieces), padding),))

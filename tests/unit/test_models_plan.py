@@ -144,3 +144,26 @@ def test_fingerprint_memo_follows_content():
     assert b.fingerprint() == layout_fingerprint(b)[:16] and a.fingerprint() == layout_fingerprint(a)[:16]
     c = dataclasses.replace(a, allow_casts=True)  # a new layout starts with no memo
     assert c.fingerprint() != a.fingerprint() and c == dataclasses.replace(a, allow_casts=True)
+
+
+def test_plans_in_threads_agree_and_restore_numpy_settings():
+    """Plans made at once in several threads give one digest, and the process-wide settings the
+    planner changes while it runs (numpy's huge-page advice) are restored after the last one."""
+    import threading
+
+    import numpy as np
+
+    from reshard.common.frameworks import build
+
+    hp = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+    before = hp(True) if hp else None
+    src, dst = build("small", "framework=megatron,tp=2,pp=2"), build("small", "framework=vllm,tp=2,dp=2")
+    digests: list[str] = []
+    threads = [threading.Thread(target=lambda: digests.append(make_plan(src, dst).digest)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(digests) == 4 and len(set(digests)) == 1
+    if hp:
+        assert hp(before) is True  # back to what it was before the plans
