@@ -502,7 +502,7 @@ def _split_rows(g: dict[str, np.ndarray], limit: np.ndarray) -> dict[str, np.nda
     count[big] = 0
     np.add.at(count, np.array([p[0] for p in parts], dtype=np.int64), 1)
     idx = np.repeat(np.arange(len(numel)), count)  # sub-rows of a row are consecutive, in split order
-    out = {k: _take(g.pop(k), idx) for k in list(g)}
+    out = _take_all(g, idx)
     pos = np.flatnonzero(np.isin(idx, big))
     rel = np.zeros((len(parts), D), dtype=np.int64)
     sub_size = np.ones((len(parts), D), dtype=np.int64)
@@ -558,7 +558,7 @@ def _messages(g: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOpti
     order = order[o2]
     first, nb_s, sd, rd, pair_id = first[o2], nb_s[o2], sd[o2], rd[o2], pair_id[o2]
     ps_o, pd_o = g["ps"][order], g["pd"][order]
-    g = {k: _take(g.pop(k), order) for k in SEG_KEYS}
+    g = _take_all({k: g.pop(k) for k in SEG_KEYS}, order)
     mstart = _group_starts([first]) if n else np.zeros(0, dtype=bool)
     lo = np.flatnonzero(mstart)
     hi = np.append(lo[1:], n)
@@ -752,7 +752,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     if len(units) > 1:
         # Chains that share a link number their messages on it together: tags stay unique.
         order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
-        Mm = {k: _take(v, order) for k, v in Mm.items()}
+        Mm = _take_all(Mm, order)
         rel = np.flatnonzero(Mm["relay"])
         o = rel[_order(Mm["src"][rel], Mm["dst"][rel])]
         start = _group_starts([Mm["src"][o], Mm["dst"][o]])
@@ -760,7 +760,7 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
         Mm["tag"][o] = np.arange(len(o)) - first[np.cumsum(start) - 1]  # keeps the order just made
     else:
         order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
-        Mm = {k: _take(v, order) for k, v in Mm.items()}
+        Mm = _take_all(Mm, order)
     num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
     # The digest covers the plan and the buffers of both layouts (their pieces enter through the
     # plan's segments); the layouts' full fingerprints are not needed for it.
@@ -1045,6 +1045,20 @@ def _order(*cols: np.ndarray) -> np.ndarray:
         key *= r
         key += c
     return np.argsort(key, kind="stable")
+
+
+def _take_all(cols: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Every column gathered by `idx` (and removed from `cols`), the columns split over two
+    threads when there are many rows (np.take releases the interpreter lock)."""
+    keys = list(cols)
+    if len(idx) < 200_000 or len(keys) < 2:
+        return {k: _take(cols.pop(k), idx) for k in keys}  # (popped: each source column freed once gathered)
+    half = keys[1::2]
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: {k: _take(cols.pop(k), idx) for k in half})
+        out = {k: _take(cols.pop(k), idx) for k in keys[0::2]}
+        out.update(fut.result())
+    return {k: out[k] for k in keys}
 
 
 def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
