@@ -24,8 +24,6 @@ from .layout import DTYPES, Box, LocalBuffer, Piece
 
 DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
 DTYPE_NAMES = list(DTYPES)
-D_MAX = 5
-"""Widest tensor or buffer rank the columns hold (the layout algebra's 1 to 5 dimensions)."""
 
 
 def pad_rows(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = None) -> np.ndarray:
@@ -50,8 +48,9 @@ def pad_rows(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = Non
 
 @dataclasses.dataclass(slots=True, eq=False)
 class ClassCols:
-    """The buffers of one class of ranks, as columns. Widths are `D_MAX` for builder blocks
-    (trimmed by `tables.build_table`); shorter rows are padded (offset 0, size 1).
+    """The buffers of one class of ranks, as columns. Blocks may differ in width (the widest
+    rank they hold); `concat` and `tables.build_table` bring them to one, and shorter rows are
+    padded (offset 0, size 1).
 
     Names are ids: `buf_name` into the layout's buffer-name list, `p_tensor` into its tensor-name
     list (-1: a tensor the layout does not declare)."""
@@ -90,7 +89,7 @@ class ClassCols:
     def widen(self, w: int) -> ClassCols:
         if self.buf_shape.shape[1] >= w:
             return self
-        return dataclasses.replace(self, **{f: _widen(getattr(self, f), w, 1 if f in _SIZES else 0) for f in _WIDE})
+        return dataclasses.replace(self, **{f: fit_width(getattr(self, f), w, 1 if f in _SIZES else 0) for f in _WIDE})
 
     @staticmethod
     def from_buffers(bufs: Sequence[LocalBuffer], tensor_id: dict[str, int], name_id: dict[str, int]) -> ClassCols:
@@ -146,8 +145,12 @@ _ARRAYS = ("buf_name", "buf_dtype", "buf_shape", "buf_ndim", "p_tensor", "p_buf"
            "off", "size", "ndim")
 
 
-def _widen(a: np.ndarray, w: int, fill: int) -> np.ndarray:
-    out = np.full((a.shape[0], w), fill, dtype=a.dtype)
+def fit_width(a: np.ndarray, w: int, fill: int) -> np.ndarray:
+    """An (n, k) integer array as (n, w): extra columns cut, missing ones filled with `fill`
+    (0 for offsets and strides, 1 for sizes); the array itself when it already has w."""
+    if a.shape[1] >= w:
+        return a if a.shape[1] == w else a[:, :w]
+    out = np.full((a.shape[0], w), fill, dtype=np.int64)
     out[:, :a.shape[1]] = a
     return out
 

@@ -24,7 +24,7 @@ import itertools
 
 import numpy as np
 
-from .columns import DTYPE_IDS, ClassCols, ColumnRanks, concat
+from .columns import DTYPE_IDS, ClassCols, ColumnRanks, concat, fit_width
 from .layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
 from .placement import chunk_sizes
 
@@ -373,21 +373,13 @@ def _block(m: ModelSpec, buf_name, buf_shape, p_tensor, p_buf, r_off, r_size, of
     """A block of buffers of the model's dtype from column arrays (pieces ordered by buffer)."""
     buf_shape, r_off, r_size, off, size = (np.asarray(a, dtype=np.int64) for a in (buf_shape, r_off, r_size, off, size))
     w = buf_shape.shape[1]
-    r_off, r_size, off, size = (_fill(a, w, f) for a, f in ((r_off, 0), (r_size, 1), (off, 0), (size, 1)))
+    r_off, r_size, off, size = (fit_width(a, w, f) for a, f in ((r_off, 0), (r_size, 1), (off, 0), (size, 1)))
     n = len(p_tensor)
     return ClassCols(buf_name=np.asarray(buf_name, dtype=np.int64), buf_dtype=np.full(len(buf_name), DTYPE_IDS[m.dtype], np.int64),
                      buf_shape=buf_shape, buf_ndim=np.full(len(buf_name), w, np.int64), buf_padding={},
                      p_tensor=np.asarray(p_tensor, dtype=np.int64), p_buf=np.asarray(p_buf, dtype=np.int64),
                      p_flat=np.full(n, flat), r_off=r_off, r_size=r_size, r_ndim=np.full(n, 1 if flat else w, np.int64),
                      off=off, size=size, ndim=np.full(n, 2, np.int64))
-
-
-def _fill(a: np.ndarray, w: int, fill: int) -> np.ndarray:
-    if a.shape[1] == w:
-        return a
-    out = np.full((a.shape[0], w), fill, dtype=np.int64)
-    out[:, :a.shape[1]] = a
-    return out
 
 
 def _megatron_experts(ctx: _Columns, layers: list[int], etp: int, etr: int, ep: int, er: int) -> ClassCols:

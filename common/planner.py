@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import hashlib
 import heapq
@@ -51,6 +52,7 @@ import numpy as np
 
 from .layout import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
 from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, hash_array, row_all, row_any, row_prod, row_strides, unique_rows
+from .columns import fit_width
 from .tables import dot_rows as _dot
 
 _DTYPE_NAMES = list(DTYPES)
@@ -596,6 +598,7 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL(None)
@@ -655,9 +658,9 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     name_rank = np.empty(len(buffer_names), dtype=np.int64)
     name_rank[np.argsort(np.array(buffer_names, dtype=object), kind="stable")] = np.arange(len(buffer_names))
     D = max(S.D, T.D)
-    s_off, s_size, s_strides = (_widen(a, D, f) for a, f in ((S.p_off, 0), (S.p_size, 1), (S.p_strides, 0)))
-    d_off, d_size, d_strides = (_widen(a, D, f) for a, f in ((T.p_off, 0), (T.p_size, 1), (T.p_strides, 0)))
-    t_shape = _widen(T.tensor_shape, D, 1)
+    s_off, s_size, s_strides = (fit_width(a, D, f) for a, f in ((S.p_off, 0), (S.p_size, 1), (S.p_strides, 0)))
+    d_off, d_size, d_strides = (fit_width(a, D, f) for a, f in ((T.p_off, 0), (T.p_size, 1), (T.p_strides, 0)))
+    t_shape = fit_width(T.tensor_shape, D, 1)
 
     # Source tensor ids in the destination's numbering (-1: not a destination tensor).
     if S.tensor_names is T.tensor_names:  # one tensor dict (and its columns) for both layouts
@@ -701,7 +704,6 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     relaying = bool(units)
     # A primary that relays may send one relay bucket in a round where it receives: one peer less.
     m["round"] = _stagger(m, peers, max(1, peers - 1) if relaying else peers)
-    num_rounds = int(m["round"].max()) + 1 if len(m["round"]) else 0
     arrival = _arrival_rounds(g, m) if relaying else None
 
     # -- relays: replicas forward what they hold, along a pipelined chain per replica group ----
@@ -749,18 +751,14 @@ def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: s
     G = {k: np.concatenate([p.pop(k) for p in seg_parts]) if len(seg_parts) > 1 else seg_parts[0][k] for k in SEG_KEYS}
     del g, seg_parts
     Mm = {k: np.concatenate([p[k] for p in msg_parts]) for k in ("src", "dst", "round", "tag", "sd", "rd", "nbytes", "lo", "hi", "relay")}
-    if len(units) > 1:
-        # Chains that share a link number their messages on it together: tags stay unique.
-        order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
-        Mm = _take_all(Mm, order)
-        rel = np.flatnonzero(Mm["relay"])
-        o = rel[_order(Mm["src"][rel], Mm["dst"][rel])]
-        start = _group_starts([Mm["src"][o], Mm["dst"][o]])
-        first = np.flatnonzero(start)
-        Mm["tag"][o] = np.arange(len(o)) - first[np.cumsum(start) - 1]  # keeps the order just made
-    else:
-        order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
-        Mm = _take_all(Mm, order)
+    order = _order(Mm["round"], Mm["relay"], Mm["src"], Mm["dst"], Mm["tag"])
+    Mm = _take_all(Mm, order)
+    # Relay tags count a link's messages in this order, over every chain that uses the link (a
+    # link of one chain keeps its tags; chains sharing a link get unique ones). The order holds.
+    rel = np.flatnonzero(Mm["relay"])
+    o = rel[_order(Mm["src"][rel], Mm["dst"][rel])]
+    start = _group_starts([Mm["src"][o], Mm["dst"][o]])
+    Mm["tag"][o] = np.arange(len(o)) - np.flatnonzero(start)[np.cumsum(start) - 1]
     num_rounds = int(Mm["round"].max()) + 1 if len(order) else 0
     # The digest covers the plan and the buffers of both layouts (their pieces enter through the
     # plan's segments); the layouts' full fingerprints are not needed for it.
@@ -1002,15 +1000,13 @@ def _primary_segments(S, T, src, options, D, rows, b_first, b_count, hs, hs_rank
                       head, s_off, s_strides, d_off, d_strides) -> dict[str, np.ndarray]:
     """Receivers (the head of each buffer's relay chain, `head` per buffer row, or every rank
     without relays), one source replica per transfer, and the segment columns."""
-    pcls = T.buf_class[T.p_buf[prow]]
     if options.relay:
         drank = np.take(head, np.take(T.p_buf, prow))  # the head of the piece's relay chain
-        reps = np.arange(len(pcls))
-    else:
+    else:  # every rank of the class receives its own copy
+        pcls = T.buf_class[T.p_buf[prow]]
         counts = np.array([len(r) for r in T.class_ranks], dtype=np.int64)[pcls]
         reps = np.repeat(np.arange(len(pcls)), counts)
         drank = np.concatenate([np.array(T.class_ranks[c], dtype=np.int64) for c in pcls.tolist()]) if len(pcls) else pcls
-    if not options.relay:
         pair_b, prow, ilo, isize, inumel = (_take(a, reps) for a in (pair_b, prow, ilo, isize, inumel))
     pbuf = _take(T.p_buf, prow)
     ddt = _take(T.buf_dtype, pbuf)
@@ -1122,14 +1118,6 @@ def _stagger(m: dict[str, np.ndarray], peers: int, dst_peers: int | None = None)
         used_d[(b, k)] += 1
     slots = int(slot.max()) + 1
     return m["round"] * slots + slot[inv]
-
-
-def _widen(a: np.ndarray, D: int, fill: int) -> np.ndarray:
-    if a.shape[1] == D:
-        return a
-    out = np.full((a.shape[0], D), fill, dtype=np.int64)
-    out[:, :a.shape[1]] = a
-    return out
 
 
 def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tnames) -> None:
@@ -1264,8 +1252,8 @@ def _relay_segments(T, bufs: list[int], subset, D: int) -> dict[str, np.ndarray]
     mine = np.zeros(len(T.buf_class), dtype=bool)
     mine[bufs] = True
     rows = np.flatnonzero(mine[T.p_buf] & subset[T.p_tensor] & (T.p_numel > 0))
-    off, strides = _widen(T.p_off[rows], D, 0), _widen(T.p_strides[rows], D, 0)
-    return {"tensor": T.p_tensor[rows], "off": off, "size": _widen(T.p_size[rows], D, 1), "ndim": T.p_ndim[rows],
+    off, strides = fit_width(T.p_off[rows], D, 0), fit_width(T.p_strides[rows], D, 0)
+    return {"tensor": T.p_tensor[rows], "off": off, "size": fit_width(T.p_size[rows], D, 1), "ndim": T.p_ndim[rows],
             "sbuf": T.buf_name[T.p_buf[rows]], "sstart": T.p_start[rows], "sstrides": strides,
             "dbuf": T.buf_name[T.p_buf[rows]], "dstart": T.p_start[rows], "dstrides": strides,
             "piece": T.p_index[rows], "sdt": T.buf_dtype[T.p_buf[rows]], "ddt": T.buf_dtype[T.p_buf[rows]]}

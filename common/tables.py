@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .columns import DTYPE_IDS, ClassCols, layout_classes, pad_rows
+from .columns import DTYPE_IDS, ClassCols, fit_width, layout_classes, pad_rows
 from .layout import DTYPES, Layout, LocalBuffer
 
 ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
@@ -122,14 +122,11 @@ class LayoutTable:
     def fingerprint(self) -> str:
         """A digest of the layout's content, equal for equal layouts however they were built."""
         h = hashlib.sha256()
-        h.update(repr((self.layout.allow_casts, self.tensor_names)).encode())
-        names, ids = self._canonical_names()
-        h.update("\0".join(names).encode())
-        hash_array(h, ids)
-        h.update(repr(sorted(self.buf_padding.items())).encode())
+        h.update(repr(self.tensor_names).encode())
+        self.hash_buffers(h)
         # Strides and piece indexes follow from these (buffer shapes, flat flags, piece order).
-        for a in (self.tensor_shape, self.tensor_dtype, self.rank_class, self.buf_class, self.buf_dtype, self.buf_shape,
-                  self.p_tensor, self.p_buf, self.p_flat, self.p_off, self.p_size, self.p_start):
+        for a in (self.tensor_shape, self.tensor_dtype, self.p_tensor, self.p_buf, self.p_flat, self.p_off, self.p_size,
+                  self.p_start):
             hash_array(h, a)
         return h.hexdigest()[:32]
 
@@ -221,7 +218,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     def cat(f: str, fill: int | None = None) -> np.ndarray:
         parts = [getattr(k, f) for k in kept]
         if fill is not None:
-            parts = [a[:, :D] if a.shape[1] >= D else _widen_cols(a, D, fill) for a in parts]
+            parts = [fit_width(a, D, fill) for a in parts]
             if not parts:
                 return np.zeros((0, D), dtype=np.int64)
         elif not parts:
@@ -264,7 +261,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     first_rank = np.array([r[0] for r in class_ranks], dtype=np.int64)
 
     tbl = LayoutTable(
-        layout, D, tnames, t_shape_raw[:, :D] if t_shape_raw.shape[1] >= D else _widen_cols(t_shape_raw, D, 1), t_ndim,
+        layout, D, tnames, fit_width(t_shape_raw, D, 1), t_ndim,
         t_dtype, rank_class, class_ranks,
         b_class, b_name, b_dtype, bshape, bndim, bnumel, bstrides, _Buffers(layout, first_rank[b_class], b_local),
         sorted(names, key=names.__getitem__), padding,
@@ -276,12 +273,6 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     for c in np.flatnonzero(tbl.problems):
         layout.validate_rank(class_ranks[c][0], side, require_full_buffers)  # raises with the exact message
     return tbl
-
-
-def _widen_cols(a: np.ndarray, w: int, fill: int) -> np.ndarray:
-    out = np.full((a.shape[0], w), fill, dtype=np.int64)
-    out[:, :a.shape[1]] = a
-    return out
 
 
 def _fast_checks(t: LayoutTable, roff, rsize, rndim, require_full: bool) -> None:
