@@ -380,17 +380,22 @@ def stream(t: Transport, me: int, peer: int, sender: bool, bufs: list[torch.Tens
     return time.perf_counter() - t0
 
 
-def round_trip_rounds(t: Transport, me: int, senders: range, receivers: range, rounds: int, deadline: float) -> None:
-    """`rounds` synchronisation steps of point-to-point messages: in each, every sender posts a
-    64-byte message to every receiver, and everyone waits for theirs (an update's rounds, without
-    the bytes)."""
-    buf = torch.zeros(64 * max(len(senders), len(receivers)), dtype=torch.uint8)
+def round_trip_rounds(t: Transport, me: int, senders: range, receivers: range, rounds: int, deadline: float,
+                      nbytes: int = 64, buf: torch.Tensor | None = None) -> None:
+    """`rounds` synchronisation steps of point-to-point messages: in each, every sender posts an
+    `nbytes` message to every receiver, and everyone waits for theirs (an update's rounds; with
+    the default 64 bytes, without the bytes). `buf`: allocated and touched by the caller, at least
+    `nbytes` per peer (a fresh allocation's page faults would be timed too)."""
+    need = nbytes * max(len(senders), len(receivers))
+    if buf is None or buf.numel() * buf.element_size() < need:
+        buf = torch.zeros(need, dtype=torch.uint8)
+    buf = buf.view(torch.uint8).reshape(-1)[:need]
     for r in range(rounds):
         works = []
         if me in senders:
-            works = [t.send(buf[:64], d, 700 + r) for d in receivers]
+            works = [t.send(buf[:nbytes], d, 700 + r) for d in receivers]
         elif me in receivers:
-            works = [t.recv(buf[i * 64 : (i + 1) * 64], s, 700 + r) for i, s in enumerate(senders)]
+            works = [t.recv(buf[i * nbytes : (i + 1) * nbytes], s, 700 + r) for i, s in enumerate(senders)]
         _wait_all(works, deadline)
 
 

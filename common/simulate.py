@@ -560,29 +560,32 @@ def serialized_traffic(c: Cluster, src: Layout, dst_world: int, payload_bytes: f
 def owner_broadcast_traffic(c: Cluster, src_world: int, dst_world: int, windows: list[dict]) -> list[Phase]:
     """Per-tensor broadcast from the owning trainer ranks, window by window: in window k every
     owner broadcasts its k-th box to every inference rank, all owners at once; then the receivers
-    copy out what they keep, before they join the next window. Two phases per window.
+    copy out what they keep, before they join the next window.
+
+    The windows pipeline: an owner's broadcast call returns once it has sent, so owners run
+    ahead, and a receiver copies window k out while the owners already send window k + 1. So
+    all windows are one phase whose ports and processes carry every window's load, plus one
+    collective step per window, plus one fill of the tree's later generations at the end (the
+    last receiver that forwards lags by one box, the largest such box).
 
     `windows[k]`: {"items": [(owner, nbytes, packed)], "keep": {global inference rank: (bytes, copies)}};
     an owner packs a box that is not contiguous in its buffer (`packed`)."""
     members = list(range(src_world, src_world + dst_world))
-    phases = []
-    for k, w in enumerate(windows):
-        ph = Phase(f"owner broadcast window {k}", steps=1.0, step="collective")
+    ph = Phase("owner broadcast", steps=float(len(windows)), step="collective")
+    for w in windows:
         for o, n, packed in w["items"]:
             for sub in broadcast_phases(c, o, [o, *members], n, max(n, 1.0)):
                 for (a, b), (nb, msgs) in sub.links.items():
                     ph.add(a, b, nb, msgs)
-            if sub.fill_steps and n >= ph.fill_bytes:
-                ph.fill_steps, ph.fill_bytes = sub.fill_steps, n
+                if sub.fill_steps and (sub.fill_steps, n) > (ph.fill_steps, ph.fill_bytes):
+                    ph.fill_steps, ph.fill_bytes = sub.fill_steps, n
             if packed:
                 ph.copies[o] += n
                 ph.copy_ops[o] += 1
-        out = Phase(f"copy-out of window {k}")
         for d, (n, ops) in w["keep"].items():
-            out.copies[d] += n
-            out.copy_ops[d] += ops
-        phases += [ph, out]
-    return phases
+            ph.copies[d] += n
+            ph.copy_ops[d] += ops
+    return [ph] if windows else []
 
 
 # -- presets --------------------------------------------------------------------------

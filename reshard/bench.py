@@ -101,7 +101,7 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
     for rep in range(3 if quick else 21):
         for s, d in shapes:
             timed(("start", s, d), rep, g < s + d,
-                  lambda: bm.round_trip_rounds(t, g, range(s), range(s, s + d), 1, deadline))
+                  lambda: bm.round_trip_rounds(t, g, range(s), range(s, s + d), 1, deadline, _BURST_BYTES, bufs[0]))
     for rep in range(1 + (passes and 5)):
         for s, d in shapes:
             timed(("rounds", s, d), rep, g < s + d,
@@ -120,10 +120,65 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
 
 
 _STEPS = 50  # synchronisation steps per timed span of the calibration
+_PROBE_STEPS = 10  # synchronisation steps per timed span of a probe between repeats
+# An update's start is timed as one round that moves this much between every sender and receiver,
+# just after the ranks leave a barrier, as the bench times an update; whatever the model's rates and
+# steps do not account for in it is the start cost (on two shared cores, mostly waiting for the
+# processes to be scheduled together: a few ms once they move more than tiny messages).
+_BURST_BYTES = 1 << 20
+_PROBE_STREAM_BYTES = 32 << 20
+_PROBE_STREAM_COUNT = 4
 
 
-def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]]) -> dict:
-    """The calibration from rank 0's figures and the ranks' timed spans: medians over the passes."""
+def _agree_repeats(ctl, firsts: list[float], opts: dict) -> int:
+    """Timed repeats for one layout pair, the same on every rank: at least `repeats`, and more
+    while the fastest method's first run (its slowest rank) is short, so that every method gets
+    about `min_seconds` of timed runs (at most `max_repeats`). Short runs are the noisiest here:
+    a few ms of scheduling on shared cores is their whole spread."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor(firsts, dtype=torch.float64)
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.MAX
+    ctl.allreduce([x], o).wait()
+    fastest = max(float(x.min()), 1e-6)
+    want = math.ceil(opts["min_seconds"] / fastest) if opts["min_seconds"] > 0 else 0
+    return max(opts["repeats"], min(opts["max_repeats"], want))
+
+
+def _probe(t, ctl, g: int, S: int, D: int, key: tuple, rep: int, bufs, q) -> None:
+    """The calibration's measurements again, between a layout pair's repeats, with synthetic
+    buffers on the same ranks: one update's start, rounds and broadcast windows without bytes,
+    and streams for one pair and for the layout's concurrency. The layout's prediction uses
+    these, so that whatever else loads the machine while the layout runs loads its calibration
+    too. Nothing of the layout's own runs goes into them."""
+    from reshard.common import bench_methods as bm
+
+    deadline = time.monotonic() + TIMEOUT_S
+    pairs = max(1, (S + D) // 2)
+    probes = [("start", True, lambda: bm.round_trip_rounds(t, g, range(S), range(S, S + D), 1, deadline, _BURST_BYTES, bufs[0])),
+              ("rounds", True, lambda: bm.round_trip_rounds(t, g, range(S), range(S, S + D), _PROBE_STEPS, deadline)),
+              ("windows", True, lambda: bm.broadcast_windows(t, g, range(S), range(S, S + D), _PROBE_STEPS, deadline))]
+    for k in sorted({1, pairs}):
+        probes.append((("stream", k), g < 2 * k,
+                       lambda: bm.stream(t, g, g ^ 1, g % 2 == 0, bufs, _PROBE_STREAM_COUNT, deadline)))
+    for kind, active, fn in probes:
+        ctl.barrier().wait()
+        t0 = time.monotonic()
+        if active:
+            fn()
+            q.put(("calib_span", (*key, kind), rep, g, t0, time.monotonic()))
+    ctl.barrier().wait()
+
+
+def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]],
+                layouts: dict[int, tuple[int, int]] | None = None) -> dict:
+    """The calibration from rank 0's figures and the ranks' timed spans: medians over the passes.
+    `layouts`: layout pair index -> (S, D), for the probes taken between its repeats."""
+    from reshard.common.simulate import Phase, phase_time
+
+    layouts = layouts or {}
     by: dict[tuple, dict[int, list[float]]] = {}
     for key, rep, _g, t0, t1 in spans:
         by.setdefault(tuple(key), {}).setdefault(rep, []).extend((t0, t1))
@@ -141,18 +196,34 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]]) ->
     streams = {key[1]: key[1] * per_stream / span(key) / 1e9 for key in by if key[0] == "stream"}
     cal["pair_gbps"] = streams[1]
     cal["streams_gbps"] = {str(k): v for k, v in sorted(streams.items())}
+    def start_cost(shape: dict, s: int, d: int, start_span: float) -> float:
+        # The start round, less what the model already gives it: its bytes and one round.
+        burst = Phase("start", {(a, s + b): [float(_BURST_BYTES), 1.0] for a in range(s) for b in range(d)})
+        c = _cluster(cal, dict(shape, start_s=0.0), shape.get("pair_gbps", cal["pair_gbps"]))
+        return max(0.0, start_span - phase_time(c, s, d, burst).seconds - shape["round_s"])
+
     cal["shapes"] = {}
     for s, d in shapes:
         k = max(1, min(raw["ranks"], s + d) // 2)
-        round_s = span(("rounds", s, d)) / _STEPS
-        cal["shapes"][f"{s}->{d}"] = {
-            "aggregate_gbps": streams[k], "aggregate_streams": k, "round_s": round_s,
-            "collective_s": span(("windows", s, d)) / _STEPS,
-            "start_s": max(0.0, span(("start", s, d), skip_first=False) - round_s),
-            "samples_s": {kind: [round(x, 6) for x in spans_of((kind, s, d), kind != "start")]
-                          for kind in ("rounds", "windows", "start")},
-        }
+        shape = {"aggregate_gbps": streams[k], "aggregate_streams": k, "round_s": span(("rounds", s, d)) / _STEPS,
+                 "collective_s": span(("windows", s, d)) / _STEPS}
+        shape["start_s"] = start_cost(shape, s, d, span(("start", s, d), skip_first=False))
+        shape["samples_s"] = {kind: [round(x, 6) for x in spans_of((kind, s, d), kind != "start")]
+                              for kind in ("rounds", "windows", "start")}
+        cal["shapes"][f"{s}->{d}"] = shape
     cal["aggregate_gbps"] = streams[max(streams)]
+    cal["layouts"] = {}
+    for ci, (s, d) in layouts.items():
+        rate = {key[2][1]: key[2][1] * _PROBE_STREAM_BYTES * _PROBE_STREAM_COUNT / span(key, False) / 1e9
+                for key in by if key[:2] == ("probe", ci) and isinstance(key[2], tuple)}
+        if not rate:
+            continue  # no repeats, no probes: the calibration before the layouts stands
+        shape = {"pair_gbps": rate[1], "aggregate_gbps": rate[max(rate)], "aggregate_streams": max(rate),
+                 "round_s": span(("probe", ci, "rounds"), False) / _PROBE_STEPS,
+                 "collective_s": span(("probe", ci, "windows"), False) / _PROBE_STEPS,
+                 "passes": len(spans_of(("probe", ci, "start"), False))}
+        shape["start_s"] = start_cost(shape, s, d, span(("probe", ci, "start"), False))
+        cal["layouts"][str(ci)] = shape
     return cal
 
 
@@ -170,6 +241,8 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
         from reshard.common.transport import GlooTransport
 
         _calibrate(g, world, host, port, nonce, opts["shapes"], opts["quick"], q)
+        # Touched once and reused by the stream probes between a layout's repeats.
+        probe_bufs = [torch.ones(_PROBE_STREAM_BYTES, dtype=torch.uint8) for _ in range(2)]
         weights: tuple[tuple, dict] | None = None  # a trainer rank's filled buffers, reused while (model, src) holds
         for ci, cfg in enumerate(configs):
             S, D = cfg["S"], cfg["D"]
@@ -192,7 +265,9 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
             if g == 0:
                 q.put(("ready", ci, time.monotonic() - t_setup))
             methods = list(bm.METHODS)
-            for rep in range(1 + opts["repeats"]):
+            firsts: dict[str, float] = {}
+            repeats, rep = opts["repeats"], 0
+            while rep <= repeats:
                 k = rep % len(methods)
                 for meth in methods[k:] + methods[:k]:
                     first = rep == 0
@@ -204,10 +279,18 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
                     t1 = time.monotonic()
                     exact = None
                     if first:
+                        firsts[meth] = t1 - t0
                         exact = rb.ceiling_exact() if meth == "ceiling" else rb.received_exact()
                     q.put(("run", {"cfg": ci, "method": meth, "rep": rep, "rank": g, "side": side, "t0": t0, "t1": t1,
                                    "bytes": out.bytes, "extra_bytes": out.extra_bytes, "checksums_ok": out.ok,
                                    "exact": exact}))
+                if rep == 0:
+                    repeats = _agree_repeats(ctl, [firsts[m] for m in methods], opts)
+                    if g == 0:
+                        q.put(("repeats", ci, repeats))
+                else:
+                    _probe(t, ctl, g, S, D, ("probe", ci), rep, probe_bufs, q)
+                rep += 1
             ctl.barrier().wait()
             t.close()
             del rb
@@ -218,19 +301,30 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
 
 # -- the parent -----------------------------------------------------------------------------
 
-def _local_cluster(cal: dict, S: int, D: int):
-    """The simulator's local profile for a layout pair of S + D ranks, from the calibration alone."""
+def _local_cluster(cal: dict, S: int, D: int, ci: int | None = None):
+    """The simulator's local profile for a layout pair of S + D ranks, from the calibration alone:
+    the probes taken between that layout's repeats (`ci`) where there are some, else the
+    calibration before the layouts."""
+    shape = cal["shapes"][f"{S}->{D}"]
+    pair = cal["pair_gbps"]
+    probes = cal.get("layouts", {}).get(str(ci))
+    if probes:
+        shape, pair = probes, probes["pair_gbps"]
+    return _cluster(cal, shape, pair)
+
+
+def _cluster(cal: dict, shape: dict, pair: float):
+    """The local profile: this machine's rates and steps (`shape`: one layout shape's), one pair at `pair` GB/s."""
     from reshard.common.simulate import Cluster
 
-    shape = cal["shapes"][f"{S}->{D}"]
-    return Cluster(name="local", gpus_per_node=max(1, cal["ranks"]), nvlink_gbps=cal["pair_gbps"],
-                   nic_gbps=cal["pair_gbps"], latency_s=cal["latency_s"], copy_gbps=cal["copy_gbps"],
+    return Cluster(name="local", gpus_per_node=max(1, cal["ranks"]), nvlink_gbps=pair,
+                   nic_gbps=pair, latency_s=cal["latency_s"], copy_gbps=cal["copy_gbps"],
                    copy_op_s=cal["copy_op_s"], node_cpu_gbps=shape["aggregate_gbps"], cores=len(os.sched_getaffinity(0)),
                    checksum_gbps=cal["checksum_gbps"], checksum_op_s=cal["checksum_op_s"], round_s=shape["round_s"],
                    collective_s=shape["collective_s"], start_s=shape["start_s"], broadcast="tree", colocated=True)
 
 
-def predictions(cfg: dict, cal: dict, bucket_bytes: int) -> dict[str, float]:
+def predictions(cfg: dict, cal: dict, bucket_bytes: int, ci: int | None = None) -> dict[str, float]:
     """The local profile's predictions for one layout pair, per method (seconds)."""
     from collections import defaultdict
 
@@ -241,7 +335,7 @@ def predictions(cfg: dict, cal: dict, bucket_bytes: int) -> dict[str, float]:
 
     src, dst = build(cfg["model"], cfg["src"]), build(cfg["model"], cfg["dst"])
     S, D = src.world, dst.world
-    c = _local_cluster(cal, S, D)
+    c = _local_cluster(cal, S, D, ci)
     plan = make_plan(src, dst, PlanOptions())
     keep: dict[int, float] = defaultdict(float)
     pieces: dict[int, float] = defaultdict(float)
@@ -292,7 +386,7 @@ def run_bench(a) -> int:
     from reshard.common.frameworks import model_spec
 
     if a.quick:
-        a.sizes, a.dst_ranks, a.repeats = "tiny", "2", min(a.repeats, 1)
+        a.sizes, a.dst_ranks, a.repeats, a.min_seconds = "tiny", "2", min(a.repeats, 1), 0.0
     try:
         configs = _configs(a)
     except ValueError as e:
@@ -316,7 +410,7 @@ def run_bench(a) -> int:
     nonce = secrets.token_hex(4)
     shapes = sorted({(c["S"], c["D"]) for c in configs})
     opts = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "bucket_bytes": a.bucket_mib << 20,
-            "shapes": shapes}
+            "shapes": shapes, "min_seconds": a.min_seconds, "max_repeats": max(a.repeats, a.max_repeats)}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     say(f"reshard bench: {len(configs)} layout pairs, {world} rank processes on {os.cpu_count()} cores, gloo on {host}; "
@@ -329,6 +423,7 @@ def run_bench(a) -> int:
     raw: dict = {}
     spans: list[tuple] = []
     runs: dict[tuple, list[dict]] = {}
+    repeats: dict[int, int] = {}
     done: set[int] = set()
     try:
         while len(done) < world:
@@ -348,6 +443,10 @@ def run_bench(a) -> int:
                 spans.append(msg[1:])
             elif kind == "calib":
                 raw = msg[1]
+            elif kind == "repeats":
+                repeats[msg[1]] = msg[2]
+                if msg[2] > a.repeats:
+                    say(f"    short runs: {msg[2]} repeats, for about {a.min_seconds:g} s of timed runs per method")
             elif kind == "ready":
                 if not cal:  # every rank has finished the calibration by now
                     cal = calibration(raw, spans, shapes)
@@ -363,7 +462,7 @@ def run_bench(a) -> int:
                 if len(runs[key]) == cfg["S"] + cfg["D"]:
                     rows = runs[key]
                     secs = max(x["t1"] for x in rows) - min(x["t0"] for x in rows)
-                    tag = "first" if r["rep"] == 0 else f"repeat {r['rep']}/{a.repeats}"
+                    tag = "first" if r["rep"] == 0 else f"repeat {r['rep']}/{repeats.get(r['cfg'], a.repeats)}"
                     say(f"    {tag:>12} {r['method']:<15} {secs:8.3f} s")
     except BaseException:
         for p in procs:
@@ -372,7 +471,7 @@ def run_bench(a) -> int:
         raise
     for p in procs:
         p.join(30)
-    cal = calibration(raw, spans, shapes)
+    cal = calibration(raw, spans, shapes, {ci: (c["S"], c["D"]) for ci, c in enumerate(configs)})
     results = _summarize(configs, runs, cal, a, say)
     results["machine"]["load_average_start_end"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
     busy1 = _machine_busy_seconds()
@@ -413,14 +512,14 @@ def _summarize(configs, runs, cal, a, say) -> dict:
     all_ok = True
     for ci, cfg in enumerate(configs):
         try:
-            pred = predictions(cfg, cal, a.bucket_mib << 20)
+            pred = predictions(cfg, cal, a.bucket_mib << 20, ci)
         except Exception as e:  # noqa: BLE001 - a prediction must not lose the measurements
             say(f"prediction for {cfg['model']} {cfg['dst']} failed: {e}")
             pred = {}
         methods = {}
         for meth in METHODS:
             reps = []
-            for rep in range(1 + a.repeats):
+            for rep in sorted(r for c, m, r in runs if (c, m) == (ci, meth)):
                 rows = runs.get((ci, meth, rep), [])
                 if not rows:
                     continue
@@ -550,8 +649,8 @@ def plot(r: dict, path: str) -> None:
 
 
 def main(a) -> int:
-    if a.repeats < 0 or a.bucket_mib < 1:
-        print("bench: --repeats must be >= 0 and --bucket-mib >= 1", file=sys.stderr)
+    if a.repeats < 0 or a.bucket_mib < 1 or a.min_seconds < 0 or a.max_repeats < 0:
+        print("bench: --repeats, --max-repeats and --min-seconds must be >= 0 and --bucket-mib >= 1", file=sys.stderr)
         return 2
     return run_bench(a)
 
@@ -564,6 +663,9 @@ def add_parser(sub) -> None:
     p.add_argument("--src", default=DEFAULT_SRC, help=f"trainer layout (default {DEFAULT_SRC})")
     p.add_argument("--dst", default=DEFAULT_DST, help=f"inference layout, {{n}} = inference ranks (default {DEFAULT_DST})")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats after the first run (default 3)")
+    p.add_argument("--min-seconds", type=float, default=0.3,
+                   help="repeat short runs until each method has about this many timed seconds (default 0.3)")
+    p.add_argument("--max-repeats", type=int, default=30, help="at most this many repeats of short runs (default 30)")
     p.add_argument("--bucket-mib", type=int, default=256, help="serialized baseline's broadcast bucket (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="reshard-bench.png", help="PNG plot path ('' for none)")

@@ -202,18 +202,21 @@ def test_owner_broadcast_windows():
     c = shared_host(node_cpu_gbps=100.0, collective_s=0.01, broadcast="tree")
     windows = [{"items": [(0, 1 * GB, False), (1, 0.5 * GB, True)], "keep": {2: (1 * GB, 2), 3: (0.5 * GB, 1)}},
                {"items": [(0, 0.2 * GB, False)], "keep": {2: (0.2 * GB, 1), 3: (0, 0)}}]
-    phases = owner_broadcast_traffic(c, 2, 2, windows)
-    assert [p.name for p in phases] == ["owner broadcast window 0", "copy-out of window 0",
-                                        "owner broadcast window 1", "copy-out of window 1"]
-    assert phases[0].links == {(0, 2): [1 * GB, 1.0], (0, 3): [1 * GB, 1.0], (1, 2): [0.5 * GB, 1.0],
-                               (1, 3): [0.5 * GB, 1.0]}
-    times = [phase_time(c, 2, 2, p).seconds for p in phases]
-    # Window 0: rank 2 receives 1.5 GB at 2 GB/s; rank 0 sends 2 GB (1 s); rank 1 packs 0.5 GB
-    # (0.125 s + 1 ms) and sends 1 GB (0.5 s). Copy-out: rank 2 copies 1 GB (0.25 s) in 2 copies.
-    assert times[0] == pytest.approx(1.0 + 0.01)
-    assert times[1] == pytest.approx(0.25 + 0.002)
-    assert times[2] == pytest.approx(0.2 + 0.01)
-    assert times[3] == pytest.approx(0.05 + 0.001)
+    (ph,) = owner_broadcast_traffic(c, 2, 2, windows)
+    assert ph.links == {(0, 2): [1.2 * GB, 2.0], (0, 3): [1.2 * GB, 2.0], (1, 2): [0.5 * GB, 1.0],
+                        (1, 3): [0.5 * GB, 1.0]}
+    assert ph.steps == 2 and ph.fill_steps == 0  # trees of 3 members: the root sends to both at once
+    # The windows pipeline. Rank 0 sends 2.4 GB at 2 GB/s (1.2 s); rank 1 packs 0.5 GB (0.125 s +
+    # 1 ms) and sends 1 GB (0.5 s); rank 2 receives 1.7 GB (0.85 s) and copies out 1.2 GB in 3
+    # copies (0.3 s + 3 ms). Rank 0 is the busiest; plus one collective step per window.
+    assert phase_time(c, 2, 2, ph).seconds == pytest.approx(1.2 + 2 * 0.01)
+    # Five members: the root's child 1 forwards to 3, so the last box lags once, by the largest box.
+    (ph,) = owner_broadcast_traffic(c, 1, 4, [{"items": [(0, 1 * GB, False)], "keep": {}},
+                                              {"items": [(0, 2 * GB, False)], "keep": {}}])
+    assert (ph.fill_steps, ph.fill_bytes) == (1, 2 * GB)
+    # Rank 0 sends 3 GB to each of 3 children (4.5 s); fill 2 GB at 2 GB/s; two steps.
+    assert phase_time(c, 1, 4, ph).seconds == pytest.approx(4.5 + 1.0 + 2 * 0.01)
+    assert owner_broadcast_traffic(c, 1, 4, []) == []
 
 
 def test_serialized_copies_its_own_shards_first_then_gathers():
