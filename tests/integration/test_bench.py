@@ -26,6 +26,9 @@ def test_quick_bench_end_to_end(tmp_path):
     shape = cal["shapes"]["2->2"]  # measured at the concurrency of the layout pair: 4 processes, 2 streams
     assert shape["aggregate_streams"] == 2
     assert shape["aggregate_gbps"] > 0 and shape["round_s"] > 0 and shape["collective_s"] > 0 and shape["start_s"] >= 0
+    probes = cal["layouts"]["0"]  # taken between the layout's repeats: one pass for one repeat
+    assert probes["passes"] == 1 and probes["pair_gbps"] > 0 and probes["aggregate_gbps"] > 0
+    assert probes["round_s"] > 0 and probes["start_s"] >= 0
     (cfg,) = out["configs"]
     assert (cfg["model"], cfg["src_ranks"], cfg["dst_ranks"]) == ("tiny", 2, 2)
     methods = cfg["methods"]
@@ -35,6 +38,7 @@ def test_quick_bench_end_to_end(tmp_path):
         assert m["seconds"] > 0 and m["first_seconds"] > 0 and m["bytes"] > 0 and m["gbps"] > 0
         assert set(m["peak_extra_bytes"]) == {"trainer", "inference"}
         assert m["predicted_seconds"] > 0 and m["error_pct"] is not None
+        assert len(m["repeats"]) == 1  # --quick: one repeat, short runs are not repeated more
     assert methods["reshard+verify"]["checksums_ok"] is True
     assert set(out["prediction_abs_error_pct_by_method"]) == set(methods)
     # Whole tensors to every inference rank: the owner broadcast moves D x the model.

@@ -302,7 +302,7 @@ def test_overlapping_relay_phase_shares_ports():
 def test_local_profile_from_calibration_spans():
     """The bench's calibration: a rate is bytes over the span from the first rank's start to the
     last rank's end, the median over the passes after the warm one; steps are spans over 50."""
-    from reshard.bench import _STEPS, _local_cluster, calibration
+    from reshard.bench import _PROBE_STEPS, _PROBE_STREAM_BYTES, _PROBE_STREAM_COUNT, _STEPS, _local_cluster, calibration
 
     raw = {"ranks": 4, "latency_s": 1e-4, "copy_gbps": 5.0, "copy_op_s": 5e-6, "checksum_gbps": 2.0,
            "checksum_op_s": 1e-4, "stream_bytes": 1e9}
@@ -312,18 +312,40 @@ def test_local_profile_from_calibration_spans():
         spans += [(("stream", 2), rep, g, 20.0, 20.0 + two * (g + 1) / 4) for g in range(4)]
         spans += [(("rounds", 2, 2), rep, g, 0.0, 0.1) for g in range(4)]
         spans += [(("windows", 2, 2), rep, g, 0.0, 0.2) for g in range(4)]
-    spans += [(("start", 2, 2), rep, g, 0.0, 0.003) for rep in range(3) for g in range(4)]
-    cal = calibration(raw, spans, [(2, 2)])
+    spans += [(("start", 2, 2), rep, g, 0.0, 0.006) for rep in range(3) for g in range(4)]
+    # Probes between the repeats of layout pair 0 (2 -> 2): every pass counts.
+    for rep, (one, two) in enumerate([(0.25, 0.5), (0.3, 0.6), (0.2, 0.4)], start=1):
+        key = ("probe", 0)
+        spans += [((*key, ("stream", 1)), rep, g, 5.0, 5.0 + one) for g in range(2)]
+        spans += [((*key, ("stream", 2)), rep, g, 5.0, 5.0 + two) for g in range(4)]
+        spans += [((*key, "rounds"), rep, g, 0.0, 0.03) for g in range(4)]
+        spans += [((*key, "windows"), rep, g, 0.0, 0.05) for g in range(4)]
+        spans += [((*key, "start"), rep, g, 0.0, 0.03) for g in range(4)]
+    cal = calibration(raw, spans, [(2, 2)], {0: (2, 2), 1: (2, 2)})
     assert cal["pair_gbps"] == pytest.approx(1e9 / 0.5 / 1e9)  # median of 0.5, 0.4, 0.5 s
     shape = cal["shapes"]["2->2"]
     assert shape["aggregate_streams"] == 2
     assert shape["aggregate_gbps"] == pytest.approx(2e9 / 0.8 / 1e9)  # median of 0.5, 0.8, 1.0 s
     assert shape["round_s"] == pytest.approx(0.1 / _STEPS)
     assert shape["collective_s"] == pytest.approx(0.2 / _STEPS)
-    assert shape["start_s"] == pytest.approx(0.003 - 0.1 / _STEPS)
+    # The start round moves 1 MiB per pair: 4 MiB over the shared cores at 2.5 GB/s is what the
+    # model already gives it (each process moves 2 MiB at 2 GB/s, less), and so is one round.
+    assert shape["start_s"] == pytest.approx(0.006 - 4 * (1 << 20) / 2.5e9 - 0.1 / _STEPS)
     c = _local_cluster(cal, 2, 2)
     assert (c.nvlink_gbps, c.node_cpu_gbps, c.round_s) == pytest.approx((2.0, 2.5, 0.002))
     assert c.colocated and c.broadcast == "tree" and c.cores >= 1
+    probes = cal["layouts"]["0"]
+    stream = _PROBE_STREAM_BYTES * _PROBE_STREAM_COUNT
+    assert probes["pair_gbps"] == pytest.approx(stream / 0.25 / 1e9)  # median of 0.25, 0.3, 0.2 s
+    assert probes["aggregate_gbps"] == pytest.approx(2 * stream / 0.5 / 1e9)
+    assert probes["round_s"] == pytest.approx(0.03 / _PROBE_STEPS) and probes["passes"] == 3
+    assert probes["collective_s"] == pytest.approx(0.05 / _PROBE_STEPS)
+    burst = max(2 * (1 << 20) / (probes["pair_gbps"] * 1e9), 4 * (1 << 20) / (probes["aggregate_gbps"] * 1e9))
+    assert probes["start_s"] == pytest.approx(0.03 - burst - 0.003) and probes["start_s"] > 0
+    c = _local_cluster(cal, 2, 2, 0)  # layout pair 0 is predicted from its own probes
+    assert (c.nvlink_gbps, c.node_cpu_gbps, c.round_s, c.start_s) == pytest.approx(
+        (probes["pair_gbps"], probes["aggregate_gbps"], 0.003, probes["start_s"]))
+    assert "1" not in cal["layouts"] and _local_cluster(cal, 2, 2, 1).round_s == pytest.approx(0.002)  # no probes
 
 
 def test_owner_broadcast_windows_follow_the_owners():
@@ -339,3 +361,21 @@ def test_owner_broadcast_windows_follow_the_owners():
     for d in (2, 3):
         kept = sum(w["keep"][d][0] for w in windows)
         assert kept == sum(p.box.numel * 2 for b in dst.ranks[d - 2] for p in b.pieces)  # bf16: all it holds
+
+
+def test_short_runs_get_more_repeats():
+    """Every rank takes the slowest rank's first runs; the fastest method decides how many repeats
+    give it about `min_seconds` of timed runs, between `repeats` and `max_repeats`."""
+    import datetime
+
+    from torch.distributed import HashStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    from reshard.bench import _agree_repeats
+
+    pg = ProcessGroupGloo(HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    opts = {"min_seconds": 0.3, "repeats": 3, "max_repeats": 30}
+    assert _agree_repeats(pg, [0.5, 0.04, 0.2], opts) == 8  # 0.3 s / 40 ms
+    assert _agree_repeats(pg, [0.5, 0.001], opts) == 30  # capped
+    assert _agree_repeats(pg, [0.5, 0.2], opts) == 3  # long runs: the floor
+    assert _agree_repeats(pg, [0.001], dict(opts, min_seconds=0.0)) == 3  # off
