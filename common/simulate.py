@@ -365,6 +365,10 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True,
     first = np.full(S, np.iinfo(np.int64).max)
     np.minimum.at(first, t["src"][sent], t["round"][sent])
     lead = Phase("first packing")
+    # Symmetrically, a receiver unpacks its last round only after that round has landed.
+    last = np.full(plan.dst_world, -1)
+    np.maximum.at(last, t["dst"][sent], t["round"][sent])
+    tail = Phase("last unpacking")
     for m in (plan.messages if weight is not None else ()):
         w = _message_weight(m, weight)
         a = S + m.src if m.relay else m.src
@@ -377,8 +381,9 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True,
                 packing.copies[a] += m.nbytes * w
                 packing.copy_ops[a] += len(m.segments) * w
             if not m.recv_direct:
-                ph.copies[b] += m.nbytes * w
-                ph.copy_ops[b] += len(m.segments) * w
+                unpacking = tail if (not m.relay and m.round == last[m.dst]) else ph
+                unpacking.copies[b] += m.nbytes * w
+                unpacking.copy_ops[b] += len(m.segments) * w
         if m.relay:
             relay.fill_bytes = max(relay.fill_bytes, float(m.wire_bytes))
     depth = _relay_depth(plan)
@@ -399,8 +404,18 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True,
             lead.copy_ops[r] += float(ns[r])
             src.copies[r] -= float(nb[r])
             src.copy_ops[r] -= float(ns[r])
+        sel = sent & ~t["rd"] & (t["round"] == last[t["dst"]])
+        nb = np.bincount(t["dst"][sel], weights=t["nbytes"][sel], minlength=plan.dst_world)
+        ns = np.bincount(t["dst"][sel], weights=t["segments"][sel], minlength=plan.dst_world)
+        for d in np.flatnonzero(nb).tolist():
+            tail.copies[S + d] += float(nb[d])
+            tail.copy_ops[S + d] += float(ns[d])
+            src.copies[S + d] -= float(nb[d])
+            src.copy_ops[S + d] -= float(ns[d])
     if lead.copies:
         phases.insert(0, lead)
+    if tail.copies:
+        phases.insert(phases.index(src) + (2 if relay.links else 1), tail)
     if checksums:
         # Senders checksum every segment they send, during the transfer; after an exchange (each
         # inference rank waits for two messages from every trainer rank, one after another: a

@@ -124,19 +124,31 @@ def test_steps_and_the_start_cost():
 
 
 def test_plan_traffic_packing_first_and_verification():
-    """The first round's packing is a phase of its own; verification checksums what every sender
-    sends and every receiver receives, after 2 x S exchange steps."""
+    """The first round's packing and the last round's unpacking are phases of their own;
+    verification checksums what every sender sends and every receiver receives, after 2 x S
+    exchange steps."""
     src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=2")
     plan = make_plan(src, dst, PlanOptions(relay=False))
     plain = {p.name: p for p in plan_traffic(plan)}
     ph = {p.name: p for p in plan_traffic(plan, checksums=True)}
-    assert list(ph) == ["first packing", "source", "verify"]
-    staged = {}
+    assert list(ph) == ["first packing", "source", "last unpacking", "verify"]
+    assert plan.num_rounds == 1  # so the sender packs everything before it sends, and the receiver
+    staged, unstaged = {}, {}  # unpacks everything once it has landed
     for m in plan.messages:
         if not m.send_direct:
             staged[m.src] = staged.get(m.src, 0) + m.nbytes
-    for r, n in staged.items():  # one round here: the sender packs everything before it sends
-        assert plain["first packing"].copies[r] + plain["source"].copies[r] == n
+        if not m.recv_direct:
+            unstaged[2 + m.dst] = unstaged.get(2 + m.dst, 0) + m.nbytes
+    assert staged and unstaged
+    for r, n in staged.items():
+        assert plain["first packing"].copies[r] == n and plain["source"].copies.get(r, 0) == 0
+    for r, n in unstaged.items():
+        assert plain["last unpacking"].copies[r] == n and plain["source"].copies.get(r, 0) == 0
+    # The per-message path (weighted plans) splits the copies the same way as the columns' path.
+    weighted = {p.name: p for p in plan_traffic(plan, weight=lambda name: 1.0)}
+    assert list(weighted) == list(plain)
+    for name, p in plain.items():
+        assert {r: v for r, v in weighted[name].copies.items() if v} == {r: v for r, v in p.copies.items() if v}, name
     assert ph["verify"].steps == 2 * 2
     for d in range(4):
         assert ph["verify"].checksums[2 + d] == sum(m.nbytes for m in plan.messages if m.dst == d)
