@@ -5,10 +5,12 @@ One process per rank (trainer ranks, then inference ranks), spawned once, all on
 TCPStore; each layout pair gets a fresh gloo session among the ranks it uses. Before the
 layouts, a separate micro-measurement with synthetic buffers (ping-pong, streams at each layout
 pair's concurrency, rounds of tiny messages, windows of tiny broadcasts, copies, checksums)
-calibrates the simulator's local profile, which then predicts every measured time: nothing is
-fitted to the bench's own results. Each method runs once first (poisoned receive buffers, then a bit-exact
-check against an independent regeneration of the weights: reported apart as the first
-update), then `--repeats` more times; methods rotate each repeat so drift favours none.
+calibrates the simulator's local profile; its start, rounds, windows and streams run again
+between each layout's repeats, and that layout is predicted from them: nothing is fitted to
+the bench's own results. Each method runs once first (poisoned receive buffers, then a
+bit-exact check against an independent regeneration of the weights: reported apart as the
+first update), then `--repeats` more times, or more for short runs (`--min-seconds`,
+`--max-repeats`); methods rotate each repeat so drift favours none.
 """
 
 from __future__ import annotations
@@ -589,7 +591,12 @@ def print_table(r: dict) -> None:
            f"{'extra MB tr/inf':>17}{'predicted':>11}{'error':>8}  ok"
     print(head)
     print("-" * len(head))
-    for c in r["configs"]:
+    for ci, c in enumerate(r["configs"]):
+        pr = cal.get("layouts", {}).get(str(ci))
+        if pr:
+            print(f"{'':<18}probes between its repeats ({pr['passes']}): one pair {pr['pair_gbps']:.2f} GB/s, "
+                  f"{pr['aggregate_streams']} streams {pr['aggregate_gbps']:.2f} GB/s, round {pr['round_s'] * 1e6:.0f} us, "
+                  f"window {pr['collective_s'] * 1e6:.0f} us, start {pr['start_s'] * 1e6:.0f} us")
         for name, m in c["methods"].items():
             pred = f"{m['predicted_seconds']:.3f}" if "predicted_seconds" in m else "-"
             err = f"{m['error_pct']:+.0f}%" if m.get("error_pct") is not None else "-"
@@ -602,7 +609,7 @@ def print_table(r: dict) -> None:
             print(f"{'':<18}reshard: {s['speedup_vs_serialized']:.2f}x vs serialized, {s['speedup_vs_broadcast']:.2f}x vs "
                   f"owner broadcast, {s['fraction_of_ceiling']:.2f} of the ceiling, verification +{s['verification_seconds']:.3f} s")
     if r["prediction_mean_abs_error_pct"] is not None:
-        print(f"\nsimulator on these layouts (none used to calibrate it): mean |error| "
+        print(f"\nsimulator on these layouts (calibrated by the probes, not by the layouts' runs): mean |error| "
               f"{r['prediction_mean_abs_error_pct']:.0f}%, max {r['prediction_max_abs_error_pct']:.0f}%")
         print("  by method: " + ", ".join(f"{k} {v['mean']:.0f}% (max {v['max']:.0f}%)"
                                           for k, v in r["prediction_abs_error_pct_by_method"].items()))
