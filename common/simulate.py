@@ -27,8 +27,8 @@ Traffic comes from the planner's plan, message by message (`wire_bytes` per
 the relay phase holds replica -> replica relays, plus the fill of its pipelined chains
 (one step per extra link). The engine starts a relay as soon as its buffers have landed,
 so the relay phase runs during the source phase: the two are timed as one phase whose
-ports carry both loads. A sender packs its first round before it sends anything: that
-packing is a phase of its own. The serialized baseline is modelled as our own
+ports carry both loads. A sender packs its first round before it sends anything, and a
+receiver unpacks its last round once it has landed: each is a phase of its own. The serialized baseline is modelled as our own
 implementation runs it: rank 0 copies its own shards, gathers the others', then
 broadcasts (NCCL-like pipelined rings on a cluster, gloo's binomial tree locally).
 

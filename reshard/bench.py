@@ -102,14 +102,12 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
     # synchronisation steps without the bytes.
     for rep in range(3 if quick else 21):
         for s, d in shapes:
-            timed(("start", s, d), rep, g < s + d,
-                  lambda: bm.round_trip_rounds(t, g, range(s), range(s, s + d), 1, deadline, _BURST_BYTES, bufs[0]))
+            timed(("start", s, d), rep, g < s + d, _sync_probes(t, g, s, d, _STEPS, deadline, bufs[0])["start"])
     for rep in range(1 + (passes and 5)):
         for s, d in shapes:
-            timed(("rounds", s, d), rep, g < s + d,
-                  lambda: bm.round_trip_rounds(t, g, range(s), range(s, s + d), _STEPS, deadline))
-            timed(("windows", s, d), rep, g < s + d,
-                  lambda: bm.broadcast_windows(t, g, range(s), range(s, s + d), _STEPS, deadline))
+            probe = _sync_probes(t, g, s, d, _STEPS, deadline, bufs[0])
+            timed(("rounds", s, d), rep, g < s + d, probe["rounds"])
+            timed(("windows", s, d), rep, g < s + d, probe["windows"])
     if g == 0:
         out["copy_gbps"] = bm.copy_gbps(big, 3 if quick else 5)
         out["copy_op_s"] = bm.copy_op_seconds()
@@ -130,6 +128,19 @@ _PROBE_STEPS = 10  # synchronisation steps per timed span of a probe between rep
 _BURST_BYTES = 1 << 20
 _PROBE_STREAM_BYTES = 32 << 20
 _PROBE_STREAM_COUNT = 4
+
+
+def _sync_probes(t, g: int, S: int, D: int, steps: int, deadline: float, buf) -> dict:
+    """The synchronisation measurements of a layout shape (S trainer, D inference ranks), as
+    callables for rank g: an update's start (one round of `_BURST_BYTES` per pair, from `buf`,
+    allocated and touched by the caller), `steps` rounds of tiny messages, `steps` broadcast
+    windows of tiny boxes."""
+    from reshard.common import bench_methods as bm
+
+    src, dst = range(S), range(S, S + D)
+    return {"start": lambda: bm.round_trip_rounds(t, g, src, dst, 1, deadline, _BURST_BYTES, buf),
+            "rounds": lambda: bm.round_trip_rounds(t, g, src, dst, steps, deadline),
+            "windows": lambda: bm.broadcast_windows(t, g, src, dst, steps, deadline)}
 
 
 def _agree_repeats(ctl, firsts: list[float], opts: dict) -> int:
@@ -159,9 +170,7 @@ def _probe(t, ctl, g: int, S: int, D: int, key: tuple, rep: int, bufs, q) -> Non
 
     deadline = time.monotonic() + TIMEOUT_S
     pairs = max(1, (S + D) // 2)
-    probes = [("start", True, lambda: bm.round_trip_rounds(t, g, range(S), range(S, S + D), 1, deadline, _BURST_BYTES, bufs[0])),
-              ("rounds", True, lambda: bm.round_trip_rounds(t, g, range(S), range(S, S + D), _PROBE_STEPS, deadline)),
-              ("windows", True, lambda: bm.broadcast_windows(t, g, range(S), range(S, S + D), _PROBE_STEPS, deadline))]
+    probes = [(kind, True, fn) for kind, fn in _sync_probes(t, g, S, D, _PROBE_STEPS, deadline, bufs[0]).items()]
     for k in sorted({1, pairs}):
         probes.append((("stream", k), g < 2 * k,
                        lambda: bm.stream(t, g, g ^ 1, g % 2 == 0, bufs, _PROBE_STREAM_COUNT, deadline)))
@@ -198,6 +207,7 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]],
     streams = {key[1]: key[1] * per_stream / span(key) / 1e9 for key in by if key[0] == "stream"}
     cal["pair_gbps"] = streams[1]
     cal["streams_gbps"] = {str(k): v for k, v in sorted(streams.items())}
+
     def start_cost(shape: dict, s: int, d: int, start_span: float) -> float:
         # The start round, less what the model already gives it: its bytes and one round.
         burst = Phase("start", {(a, s + b): [float(_BURST_BYTES), 1.0] for a in range(s) for b in range(d)})
