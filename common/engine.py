@@ -64,14 +64,14 @@ def _flat_bytes(t: torch.Tensor, side: Side, size: tuple[int, ...]) -> torch.Ten
 
 def pack(m: Message, buffers: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     """Copy (and cast) the message's source regions into a staged uint8 buffer."""
-    for seg, off in zip(m.segments, m.offsets()):
-        view = out[off : off + seg.nbytes].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
+    for seg, off, n in zip(m.segments, m.segment_offsets, m.segment_bytes):
+        view = out[off : off + n].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
         view.copy_(seg.src.view(buffers[seg.src.buffer], seg.box.size))
 
 
 def unpack(m: Message, buffers: dict[str, torch.Tensor], staged: torch.Tensor) -> None:
-    for seg, off in zip(m.segments, m.offsets()):
-        view = staged[off : off + seg.nbytes].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
+    for seg, off, n in zip(m.segments, m.segment_offsets, m.segment_bytes):
+        view = staged[off : off + n].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
         seg.dst.view(buffers[seg.dst.buffer], seg.box.size).copy_(view)
 
 
@@ -186,8 +186,8 @@ class Engine:
                     if role != "send" or m.relay:
                         continue
                     if self._staged(m, role):
-                        for seg, off in zip(m.segments, m.offsets()):
-                            w = buf[off : off + seg.nbytes].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
+                        for seg, off, n in zip(m.segments, m.segment_offsets, m.segment_bytes):
+                            w = buf[off : off + n].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
                             self._sender_checksum(m.dst, seg, w)
                     else:
                         seg = m.segments[0]

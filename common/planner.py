@@ -153,18 +153,27 @@ class Message:
     recv_direct: bool  # one segment, received straight into destination storage
     nbytes: int
     relay: bool = False  # src is a destination rank forwarding what it received earlier
+    # Derived once, when the message is made: the engine reads them for every segment of every
+    # update, and recomputing them was most of its Python time on small messages.
+    segment_bytes: tuple[int, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+    """Bytes of each segment."""
+    segment_offsets: tuple[int, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+    """Byte offset of each segment inside the staged message."""
+    _staged: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
-    def offsets(self) -> list[int]:
-        """Byte offset of each segment inside the staged message."""
-        out, pos = [], 0
-        for s in self.segments:
-            out.append(pos)
-            pos += _align(s.nbytes)
-        return out
+    def __post_init__(self) -> None:
+        sizes = tuple(s.nbytes for s in self.segments)
+        offsets, pos = [], 0
+        for n in sizes:
+            offsets.append(pos)
+            pos += _align(n)
+        object.__setattr__(self, "segment_bytes", sizes)
+        object.__setattr__(self, "segment_offsets", tuple(offsets))
+        object.__setattr__(self, "_staged", pos)
 
     @property
     def staged_bytes(self) -> int:
-        return sum(_align(s.nbytes) for s in self.segments)
+        return self._staged
 
     @property
     def wire_bytes(self) -> int:
