@@ -514,15 +514,15 @@ def broadcast_phases(c: Cluster, root: int, members: list[int], nbytes: float, b
     tree for 'tree', or one pipelined phase of G rings (one per GPU of a node) for 'ring'.
 
     The tree is one phase in which every edge carries every bucket, plus one collective step per
-    bucket. A member that forwards finishes its broadcast call only after it has forwarded, and
-    joins the next bucket after that: each bucket also waits for its later generations, one
-    bucket on the slowest link per generation (the phase's fill)."""
+    bucket. A member that forwards does so while the root already sends the next bucket to its
+    other children, so the buckets pipeline and only the last one's later generations show: one
+    bucket on the slowest link per generation after the first (the phase's fill)."""
     order = [root] + [m for m in members if m != root]
     msgs = max(1.0, nbytes / bucket_bytes)
     if c.broadcast == "tree":
         gens = gloo_tree(len(order))
         ph = Phase("broadcast", steps=math.ceil(msgs), step="collective",
-                   fill_steps=max(0, len(gens) - 1) * math.ceil(msgs), fill_bytes=min(nbytes, bucket_bytes))
+                   fill_steps=max(0, len(gens) - 1), fill_bytes=min(nbytes, bucket_bytes))
         for edges in gens:
             for a, b in edges:
                 ph.add(order[a], order[b], nbytes, msgs)

@@ -190,8 +190,9 @@ def test_broadcast_tree_and_rings():
     (tree,) = broadcast_phases(Cluster(broadcast="tree"), 0, [0, 1, 2, 3], 8.0, 4.0)
     assert sorted(tree.links) == [(0, 1), (0, 2), (1, 3)]
     assert all(v == [8.0, 2.0] for v in tree.links.values())  # every edge carries both buckets
-    # Member 1 forwards each bucket to member 3 before it joins the next: one fill step per bucket.
-    assert (tree.steps, tree.step, tree.fill_steps, tree.fill_bytes) == (2, "collective", 2, 4.0)
+    # Member 1 forwards each bucket to member 3 while the root sends the next one to member 2:
+    # only the last bucket's forward shows, one fill step for the one later generation.
+    assert (tree.steps, tree.step, tree.fill_steps, tree.fill_bytes) == (2, "collective", 1, 4.0)
     ring = broadcast_phases(Cluster(gpus_per_node=2, broadcast="ring"), 0, [0, 1, 2, 3], 8.0, 8.0)
     assert len(ring) == 1
     assert sum(v[0] for v in ring[0].links.values()) == pytest.approx(2 * 3 * 4.0)  # 2 rings of 3 hops, 4 B each
