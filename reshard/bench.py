@@ -115,6 +115,13 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
         out["checksum_op_s"] = bm.checksum_op_seconds()
         out["stream_bytes"] = big * count
         q.put(("calib", out))
+    # The copy and checksum rates again with every core busy: one process per core, started
+    # together. On shared cores a layout's processes copy and checksum at once, and each then
+    # gets less than a process alone (memory bandwidth is shared too).
+    for kind, fn in (("copy_gbps", lambda: bm.copy_gbps(big, 3 if quick else 5)), ("checksum_gbps", bm.checksum_gbps)):
+        ctl.barrier().wait()
+        if g < min(world, len(os.sched_getaffinity(0))):
+            q.put(("calib_rate", kind, g, fn()))
     ctl.barrier().wait()
     t.close()
 
@@ -184,9 +191,12 @@ def _probe(t, ctl, g: int, S: int, D: int, key: tuple, rep: int, bufs, q) -> Non
 
 
 def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]],
-                layouts: dict[int, tuple[int, int]] | None = None) -> dict:
+                layouts: dict[int, tuple[int, int]] | None = None,
+                busy_rates: dict[str, list[float]] | None = None) -> dict:
     """The calibration from rank 0's figures and the ranks' timed spans: medians over the passes.
-    `layouts`: layout pair index -> (S, D), for the probes taken between its repeats."""
+    `layouts`: layout pair index -> (S, D), for the probes taken between its repeats.
+    `busy_rates`: copy and checksum rates measured with every core busy, one per process; their
+    median replaces rank 0's rate alone, which is kept under `alone`."""
     from reshard.common.simulate import Phase, phase_time
 
     layouts = layouts or {}
@@ -203,6 +213,10 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]],
         return statistics.median(vals) if vals else float("nan")
 
     cal = dict(raw)
+    for kind, rates in (busy_rates or {}).items():
+        if rates:
+            cal.setdefault("alone", {})[kind] = raw[kind]
+            cal[kind] = statistics.median(rates)
     per_stream = raw["stream_bytes"]
     streams = {key[1]: key[1] * per_stream / span(key) / 1e9 for key in by if key[0] == "stream"}
     cal["pair_gbps"] = streams[1]
@@ -436,6 +450,7 @@ def run_bench(a) -> int:
     spans: list[tuple] = []
     runs: dict[tuple, list[dict]] = {}
     repeats: dict[int, int] = {}
+    busy: dict[str, list[float]] = {}
     done: set[int] = set()
     try:
         while len(done) < world:
@@ -455,13 +470,15 @@ def run_bench(a) -> int:
                 spans.append(msg[1:])
             elif kind == "calib":
                 raw = msg[1]
+            elif kind == "calib_rate":
+                busy.setdefault(msg[1], []).append(msg[3])
             elif kind == "repeats":
                 repeats[msg[1]] = msg[2]
                 if msg[2] > a.repeats:
                     say(f"    short runs: {msg[2]} repeats, for about {a.min_seconds:g} s of timed runs per method")
             elif kind == "ready":
                 if not cal:  # every rank has finished the calibration by now
-                    cal = calibration(raw, spans, shapes)
+                    cal = calibration(raw, spans, shapes, busy_rates=busy)
                     say(_calibration_line(cal))
                 cfg = configs[msg[1]]
                 say(f"[{msg[1] + 1}/{len(configs)}] {cfg['model']} ({_fmt_bytes(model_spec(cfg['model']).payload_bytes)}) "
@@ -483,7 +500,7 @@ def run_bench(a) -> int:
         raise
     for p in procs:
         p.join(30)
-    cal = calibration(raw, spans, shapes, {ci: (c["S"], c["D"]) for ci, c in enumerate(configs)})
+    cal = calibration(raw, spans, shapes, {ci: (c["S"], c["D"]) for ci, c in enumerate(configs)}, busy)
     results = _summarize(configs, runs, cal, a, say)
     results["machine"]["load_average_start_end"] = [round(load0[0], 2), round(os.getloadavg()[0], 2)]
     busy1 = _machine_busy_seconds()
@@ -507,9 +524,15 @@ def run_bench(a) -> int:
 
 
 def _calibration_line(cal: dict, sep: str = "; ") -> str:
+    alone = cal.get("alone", {})
+
+    def busy(kind: str) -> str:
+        return f" with every core busy ({alone[kind]:.2f} alone)" if kind in alone else ""
+
     parts = [f"latency {cal['latency_s'] * 1e6:.0f} us per message, one pair {cal['pair_gbps']:.2f} GB/s, packing "
-             f"copies {cal['copy_gbps']:.2f} GB/s + {cal['copy_op_s'] * 1e6:.1f} us each",
-             f"checksums {cal['checksum_gbps']:.2f} GB/s per core + {cal['checksum_op_s'] * 1e6:.0f} us each"]
+             f"copies {cal['copy_gbps']:.2f} GB/s{busy('copy_gbps')} + {cal['copy_op_s'] * 1e6:.1f} us each",
+             f"checksums {cal['checksum_gbps']:.2f} GB/s per core{busy('checksum_gbps')} + "
+             f"{cal['checksum_op_s'] * 1e6:.0f} us each"]
     parts += [f"{k} ranks: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
               f"{v['round_s'] * 1e6:.0f} us, broadcast window {v['collective_s'] * 1e6:.0f} us, start "
               f"{v['start_s'] * 1e6:.0f} us" for k, v in cal["shapes"].items()]

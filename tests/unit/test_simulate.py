@@ -359,6 +359,12 @@ def test_local_profile_from_calibration_spans():
     assert (c.nvlink_gbps, c.node_cpu_gbps, c.round_s, c.start_s) == pytest.approx(
         (probes["pair_gbps"], probes["aggregate_gbps"], 0.003, probes["start_s"]))
     assert "1" not in cal["layouts"] and _local_cluster(cal, 2, 2, 1).round_s == pytest.approx(0.002)  # no probes
+    assert "alone" not in cal and cal["copy_gbps"] == 5.0
+    # Copy and checksum rates measured with every core busy replace rank 0's rates alone.
+    busy = calibration(raw, spans, [(2, 2)], busy_rates={"copy_gbps": [4.0, 3.0], "checksum_gbps": [1.5, 1.7, 1.6]})
+    assert (busy["copy_gbps"], busy["checksum_gbps"]) == pytest.approx((3.5, 1.6))
+    assert busy["alone"] == {"copy_gbps": 5.0, "checksum_gbps": 2.0}
+    assert _local_cluster(busy, 2, 2).copy_gbps == pytest.approx(3.5)
 
 
 def test_owner_broadcast_windows_follow_the_owners():
