@@ -294,8 +294,14 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
             firsts: dict[str, float] = {}
             repeats, rep = opts["repeats"], 0
             while rep <= repeats:
-                k = rep % len(methods)
-                for meth in methods[k:] + methods[:k]:
+                # After the first runs the probes take a slot of the rotation: like the methods, they
+                # follow each method in turn (what ran just before changes a short run's start here).
+                slots = methods if rep == 0 else [*methods, "probe"]
+                k = rep % len(slots)
+                for meth in slots[k:] + slots[:k]:
+                    if meth == "probe":
+                        _probe(t, ctl, g, S, D, ("probe", ci), rep, probe_bufs, q)
+                        continue
                     first = rep == 0
                     if first:
                         rb.poison()
@@ -314,8 +320,6 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
                     repeats = _agree_repeats(ctl, [firsts[m] for m in methods], opts)
                     if g == 0:
                         q.put(("repeats", ci, repeats))
-                else:
-                    _probe(t, ctl, g, S, D, ("probe", ci), rep, probe_bufs, q)
                 rep += 1
             ctl.barrier().wait()
             t.close()
