@@ -6,7 +6,7 @@ TCPStore; each layout pair gets a fresh gloo session among the ranks it uses. Be
 layouts, a separate micro-measurement with synthetic buffers (ping-pong, streams at each layout
 pair's concurrency, rounds of tiny messages, windows of tiny broadcasts, copies, checksums)
 calibrates the simulator's local profile; its start, rounds, windows and streams run again
-between each layout's repeats, and that layout is predicted from them: nothing is fitted to
+in each of a layout's repeats, and that layout is predicted from them: nothing is fitted to
 the bench's own results. Each method runs once first (poisoned receive buffers, then a
 bit-exact check against an independent regeneration of the weights: reported apart as the
 first update), then `--repeats` more times, or more for short runs (`--min-seconds`,
@@ -127,7 +127,7 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
 
 
 _STEPS = 50  # synchronisation steps per timed span of the calibration
-_PROBE_STEPS = 10  # synchronisation steps per timed span of a probe between repeats
+_PROBE_STEPS = 10  # synchronisation steps per timed span of a probe in a repeat
 # An update's start is timed as one round that moves this much between every sender and receiver,
 # just after the ranks leave a barrier, as the bench times an update; whatever the model's rates and
 # steps do not account for in it is the start cost (on two shared cores, mostly waiting for the
@@ -168,7 +168,7 @@ def _agree_repeats(ctl, firsts: list[float], opts: dict) -> int:
 
 
 def _probe(t, ctl, g: int, S: int, D: int, key: tuple, rep: int, bufs, q) -> None:
-    """The calibration's measurements again, between a layout pair's repeats, with synthetic
+    """The calibration's measurements again, in a slot of a layout pair's repeats, with synthetic
     buffers on the same ranks: one update's start, rounds and broadcast windows without bytes,
     and streams for one pair and for the layout's concurrency. The layout's prediction uses
     these, so that whatever else loads the machine while the layout runs loads its calibration
@@ -194,7 +194,7 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]],
                 layouts: dict[int, tuple[int, int]] | None = None,
                 busy_rates: dict[str, list[float]] | None = None) -> dict:
     """The calibration from rank 0's figures and the ranks' timed spans: medians over the passes.
-    `layouts`: layout pair index -> (S, D), for the probes taken between its repeats.
+    `layouts`: layout pair index -> (S, D), for the probes taken in its repeats.
     `busy_rates`: copy and checksum rates measured with every core busy, one per process; their
     median replaces rank 0's rate alone, which is kept under `alone`."""
     from reshard.common.simulate import Phase, phase_time
@@ -267,7 +267,7 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
         from reshard.common.transport import GlooTransport
 
         _calibrate(g, world, host, port, nonce, opts["shapes"], opts["quick"], q)
-        # Touched once and reused by the stream probes between a layout's repeats.
+        # Touched once and reused by the stream probes in a layout's repeats.
         probe_bufs = [torch.ones(_PROBE_STREAM_BYTES, dtype=torch.uint8) for _ in range(2)]
         weights: tuple[tuple, dict] | None = None  # a trainer rank's filled buffers, reused while (model, src) holds
         for ci, cfg in enumerate(configs):
@@ -295,7 +295,7 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
             repeats, rep = opts["repeats"], 0
             while rep <= repeats:
                 # After the first runs the probes take a slot of the rotation: like the methods, they
-                # follow each method in turn (what ran just before changes a short run's start here).
+                # follow each method in turn, so they see the same mix of what ran just before.
                 slots = methods if rep == 0 else [*methods, "probe"]
                 k = rep % len(slots)
                 for meth in slots[k:] + slots[:k]:
@@ -333,7 +333,7 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
 
 def _local_cluster(cal: dict, S: int, D: int, ci: int | None = None):
     """The simulator's local profile for a layout pair of S + D ranks, from the calibration alone:
-    the probes taken between that layout's repeats (`ci`) where there are some, else the
+    the probes taken in that layout's repeats (`ci`) where there are some, else the
     calibration before the layouts."""
     shape = cal["shapes"][f"{S}->{D}"]
     pair = cal["pair_gbps"]
@@ -631,7 +631,7 @@ def print_table(r: dict) -> None:
     for ci, c in enumerate(r["configs"]):
         pr = cal.get("layouts", {}).get(str(ci))
         if pr:
-            print(f"{'':<18}probes between its repeats ({pr['passes']}): one pair {pr['pair_gbps']:.2f} GB/s, "
+            print(f"{'':<18}probes in its repeats ({pr['passes']}): one pair {pr['pair_gbps']:.2f} GB/s, "
                   f"{pr['aggregate_streams']} streams {pr['aggregate_gbps']:.2f} GB/s, round {pr['round_s'] * 1e6:.0f} us, "
                   f"window {pr['collective_s'] * 1e6:.0f} us, start {pr['start_s'] * 1e6:.0f} us")
         for name, m in c["methods"].items():

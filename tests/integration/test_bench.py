@@ -27,7 +27,7 @@ def test_quick_bench_end_to_end(tmp_path):
     shape = cal["shapes"]["2->2"]  # measured at the concurrency of the layout pair: 4 processes, 2 streams
     assert shape["aggregate_streams"] == 2
     assert shape["aggregate_gbps"] > 0 and shape["round_s"] > 0 and shape["collective_s"] > 0 and shape["start_s"] >= 0
-    probes = cal["layouts"]["0"]  # taken between the layout's repeats: one pass for one repeat
+    probes = cal["layouts"]["0"]  # taken in the layout's repeats: one pass for one repeat
     assert probes["passes"] == 1 and probes["pair_gbps"] > 0 and probes["aggregate_gbps"] > 0
     assert probes["round_s"] > 0 and probes["start_s"] >= 0
     (cfg,) = out["configs"]

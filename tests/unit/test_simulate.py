@@ -326,7 +326,7 @@ def test_local_profile_from_calibration_spans():
         spans += [(("rounds", 2, 2), rep, g, 0.0, 0.1) for g in range(4)]
         spans += [(("windows", 2, 2), rep, g, 0.0, 0.2) for g in range(4)]
     spans += [(("start", 2, 2), rep, g, 0.0, 0.006) for rep in range(3) for g in range(4)]
-    # Probes between the repeats of layout pair 0 (2 -> 2): every pass counts.
+    # Probes in the repeats of layout pair 0 (2 -> 2): every pass counts.
     for rep, (one, two) in enumerate([(0.25, 0.5), (0.3, 0.6), (0.2, 0.4)], start=1):
         key = ("probe", 0)
         spans += [((*key, ("stream", 1)), rep, g, 5.0, 5.0 + one) for g in range(2)]
