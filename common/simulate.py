@@ -396,22 +396,16 @@ def plan_traffic(plan: Plan, weight: Weight | None = None, copies: bool = True,
     a = np.where(t["relay"], S + t["src"], t["src"])
     b = S + t["dst"]
     if copies and weight is None and sent.any():
-        sel = sent & ~t["sd"] & (t["round"] == first[np.where(sent, t["src"], 0)])
-        nb = np.bincount(t["src"][sel], weights=t["nbytes"][sel], minlength=S)
-        ns = np.bincount(t["src"][sel], weights=t["segments"][sel], minlength=S)
-        for r in np.flatnonzero(nb).tolist():
-            lead.copies[r] += float(nb[r])
-            lead.copy_ops[r] += float(ns[r])
-            src.copies[r] -= float(nb[r])
-            src.copy_ops[r] -= float(ns[r])
-        sel = sent & ~t["rd"] & (t["round"] == last[t["dst"]])
-        nb = np.bincount(t["dst"][sel], weights=t["nbytes"][sel], minlength=plan.dst_world)
-        ns = np.bincount(t["dst"][sel], weights=t["segments"][sel], minlength=plan.dst_world)
-        for d in np.flatnonzero(nb).tolist():
-            tail.copies[S + d] += float(nb[d])
-            tail.copy_ops[S + d] += float(ns[d])
-            src.copies[S + d] -= float(nb[d])
-            src.copy_ops[S + d] -= float(ns[d])
+        # The first round's packing and the last round's unpacking, moved out of the source phase.
+        for to, side, offset, direct, edge in ((lead, "src", 0, "sd", first), (tail, "dst", S, "rd", last)):
+            sel = sent & ~t[direct] & (t["round"] == edge[np.where(sent, t[side], 0)])
+            nb = np.bincount(t[side][sel], weights=t["nbytes"][sel], minlength=len(edge))
+            ns = np.bincount(t[side][sel], weights=t["segments"][sel], minlength=len(edge))
+            for r in np.flatnonzero(nb).tolist():
+                to.copies[offset + r] += float(nb[r])
+                to.copy_ops[offset + r] += float(ns[r])
+                src.copies[offset + r] -= float(nb[r])
+                src.copy_ops[offset + r] -= float(ns[r])
     if lead.copies:
         phases.insert(0, lead)
     if tail.copies:
