@@ -38,7 +38,7 @@ RUN pip install ${PIP_EXTRA_ARGS} "${TORCH_SPEC}"
 # .venv or build output in the checkout never ends up in the image.
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY reshard ./reshard
+COPY cli ./cli
 COPY common ./common
 COPY trainer_svc ./trainer_svc
 COPY inference_svc ./inference_svc

@@ -69,6 +69,26 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.on_disconnect: Callable[[WorkerConn], None] | None = None
         self.generation = 0  # bumps whenever membership changes
         self.stopping = False
+        self.supervisor = None  # common.supervisor.Supervisor, when this controller runs standalone workers
+
+    def why_missing(self, rank: int) -> str:
+        """Why a rank's worker is not attached, when its supervisor knows ('' otherwise)."""
+        return self.supervisor.error(rank) if self.supervisor is not None else ""
+
+    def missing_error(self, missing: list[int], what: str) -> str:
+        reasons = [f"rank {r}: {why}" for r in missing if (why := self.why_missing(r))]
+        return f"{self.role} workers {missing} {what}" + ("; " + "; ".join(reasons) if reasons else "")
+
+    def worker_state(self, rank: int) -> tuple[str, str]:
+        """(state, detail) of a rank for status: READY, or DEAD/STARTING/RESTARTING/FAILED and why."""
+        w = self.workers.get(rank)
+        if w is not None and w.alive:
+            return "READY", ""
+        if self.supervisor is not None:
+            st = self.supervisor.state(rank)
+            state = "STARTING" if st == "RUNNING" else ("DEAD" if st == "STOPPED" else st)
+            return state, self.supervisor.error(rank)
+        return "DEAD", ""
 
     # -- the stream ------------------------------------------------------------------
     async def Attach(self, request_iterator, context):
@@ -161,7 +181,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
                 await asyncio.wait_for(self.changed.wait_for(self.complete), timeout)
             except asyncio.TimeoutError:
                 missing = sorted(set(range(self.world)) - {w.rank for w in self.alive()})
-                raise WorkerError(f"{self.role} workers {missing} are not attached after {timeout:.0f}s") from None
+                raise WorkerError(self.missing_error(missing, f"are not attached after {timeout:.0f}s")) from None
 
     async def call(self, conn: WorkerConn, timeout: float, **command) -> wpb.Reply:
         if not conn.alive:
@@ -183,7 +203,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
     async def call_all(self, timeout: float, **command) -> list[wpb.Reply]:
         if not self.complete():
             missing = sorted(set(range(self.world)) - {w.rank for w in self.alive()})
-            raise WorkerError(f"{self.role} workers {missing} are not attached (deployment degraded)")
+            raise WorkerError(self.missing_error(missing, "are not attached (deployment degraded)"))
         results = await asyncio.gather(*(self.call(w, timeout, **command) for w in self.alive()), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -254,6 +274,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(coro) for coro in background]
     sup = Supervisor(hub.role, hub.world, lambda rank: command(addr, rank)) if command else None
+    hub.supervisor = sup
     if sup:
         tasks.append(loop.create_task(sup.run()))
     await stop.wait()

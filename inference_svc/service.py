@@ -17,6 +17,7 @@ from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_la
 from reshard.common.layout import Layout, LayoutError, dtype_of
 from reshard.common.planner import PlanOptions, make_plan
 from reshard.common.rpc import Deadlines, run_main
+from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -233,7 +234,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             st.progress.CopyFrom(pb.UpdateProgress(phase=u.phase, bytes_done=sum(u.progress.values()), bytes_total=u.bytes_total, version=u.version))
         for r in range(self.hub.world):
             w = self.hub.workers.get(r)
-            h = pb.WorkerHealth(rank=r, state="DEAD" if w is None or not w.alive else "READY")
+            state, detail = self.hub.worker_state(r)
+            h = pb.WorkerHealth(rank=r, state=state, detail=detail)
             if w is not None:
                 h.pid, h.requests_served = w.pid, w.requests_served
                 w.health(h)
@@ -308,7 +310,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     ctl.inplace = mode == "inplace"
 
     def command(addr: str, rank: int) -> list[str]:
-        return [sys.executable, "-m", "reshard.inference_svc.standalone", "--controller", addr, "--rank", str(rank),
+        return module_command("reshard.inference_svc.standalone") + ["--controller", addr, "--rank", str(rank),
                 "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode, "--device", device] + (
                     ["--layout", layout] if layout else [])
 

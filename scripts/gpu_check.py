@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run `reshard.gpu_check` from a checkout, installed or not (see reshard/gpu_check.py).
+"""Run `reshard.gpu_check` from a checkout, installed or not (see cli/gpu_check.py).
 
 pyproject maps the package's folders (`reshard.common` -> common/, ...), so a plain
 `sys.path` entry is not enough: when this checkout's reshard is not importable, the
@@ -10,7 +10,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = {"reshard": "reshard", "reshard.common": "common", "reshard.trainer_svc": "trainer_svc",
+PACKAGES = {"reshard": "cli", "reshard.common": "common", "reshard.trainer_svc": "trainer_svc",
             "reshard.inference_svc": "inference_svc", "reshard.proto": "proto"}
 
 

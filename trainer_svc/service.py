@@ -22,6 +22,7 @@ from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, m
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
 from reshard.common.rpc import Deadlines, channel, parse_address, run_main, status_error
+from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -211,7 +212,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         st.serving_state = "SERVING" if self.hub.complete() else ("DEGRADED" if self.hub.alive() else "NOT_SERVING")
         for r in range(self.hub.world):
             w = self.hub.workers.get(r)
-            h = pb.WorkerHealth(rank=r, state="DEAD" if w is None or not w.alive else "READY")
+            state, detail = self.hub.worker_state(r)
+            h = pb.WorkerHealth(rank=r, state=state, detail=detail)
             if w is not None:
                 h.pid = w.pid
                 w.health(h)
@@ -441,7 +443,7 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
     ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
 
     def command(addr: str, rank: int) -> list[str]:
-        cmd = [sys.executable, "-m", "reshard.trainer_svc.standalone", "--controller", addr, "--rank", str(rank),
+        cmd = module_command("reshard.trainer_svc.standalone") + ["--controller", addr, "--rank", str(rank),
                "--world", str(workers), "--model", model, "--seed", str(seed), "--run", run, "--device", device]
         return (cmd + (["--layout-fault", layout_fault] if layout_fault else []) + (["--layout", layout] if layout else [])
                 + (["--master-dtype", master_dtype] if master_dtype else []))

@@ -255,7 +255,8 @@ async def cmd_status(a) -> int:
         print(f"  last error: {st.last_error}")
     for w in st.workers:
         wv = f"{w.version.run}:{w.version.step}" if w.has_version else "none"
-        print(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else ""))
+        print(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else "")
+              + (f"\n    {w.detail}" if w.detail else ""))
     if st.role == "inference":
         print(f"  requests served: {st.requests_served} ({st.requests_during_updates} during updates)")
         by: dict[str, int] = {}

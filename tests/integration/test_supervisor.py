@@ -1,0 +1,151 @@
+"""Standalone workers start the same from any working directory, and a worker that cannot
+start is given up after a few tries with its error shown, never restarted in a storm."""
+
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import time
+import tomllib
+
+import grpc
+import pytest
+
+from reshard.common.supervisor import Supervisor, module_command
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as rgrpc
+
+from .cluster import free_port
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def installed(tmp_path):
+    """A non-editable install of this checkout (the package tree pyproject's package-dir maps out,
+    as a wheel installs it) on a Python without our editable finder, and a `reshard` entry script
+    like the one pip writes. Returns (python, env, entry script)."""
+    site_dir = tmp_path / "site"
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in mapping.items():
+        dest = site_dir.joinpath(*package.split("."))
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in (REPO / folder).glob("*.py"):
+            shutil.copy(f, dest / f.name)
+    deps = [p for p in site.getsitepackages() if "site-packages" in p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site_dir), *deps]))
+    entry = tmp_path / "bin" / "reshard"
+    entry.parent.mkdir()
+    entry.write_text("import sys\nfrom reshard.cli import main\nsys.exit(main())\n")
+    python = getattr(sys, "_base_executable", sys.executable)
+    r = subprocess.run([python, "-c", "import reshard.common.supervisor as m; print(m.__file__)"], env=env, cwd="/",
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith(str(site_dir)), r.stderr + r.stdout
+    return python, env, entry
+
+
+def shadowing_folder(path: pathlib.Path) -> pathlib.Path:
+    """What a checkout's root looks like to `python -m reshard...`: a `reshard/` package."""
+    (path / "reshard").mkdir(parents=True)
+    (path / "reshard" / "__init__.py").write_text("")
+    return path
+
+
+def test_module_command_ignores_the_working_directory(tmp_path, installed):
+    python, env, _ = installed
+    cwd = shadowing_folder(tmp_path / "checkout")
+    r = subprocess.run([python, "-m", "reshard.common.supervisor"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert "No module named 'reshard.common'" in r.stderr  # what plain -m does there
+    cmd = module_command("reshard.common.supervisor")
+    r = subprocess.run([python, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_failing_worker_backs_off_and_is_given_up():
+    script = "import sys; print('starting'); print('boom: cannot load the model', file=sys.stderr); sys.exit(3)"
+    sup = Supervisor("inference", 2, lambda rank: [sys.executable, "-c", script], delay=0.1, max_failures=3, poll=0.02)
+
+    async def go():
+        task = asyncio.get_running_loop().create_task(sup.run())
+        t0 = time.monotonic()
+        while not all(sup.state(r) == "FAILED" for r in range(2)):
+            assert time.monotonic() - t0 < 30, [sup.state(r) for r in range(2)]
+            await asyncio.sleep(0.02)
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.5)  # nothing more is started once given up
+        starts = sup.starts
+        sup.stopping = True
+        await task
+        await sup.stop()
+        return took, starts
+
+    took, starts = asyncio.run(go())
+    assert starts == 6  # 3 tries for each of 2 ranks
+    assert took >= 0.1 + 0.2  # the waits between tries double
+    err = sup.error(0)
+    assert "gave up after 3 failed starts" in err and "exit status 3" in err and "boom: cannot load the model" in err
+
+
+def test_worker_that_ran_long_enough_starts_with_a_clean_budget():
+    sup = Supervisor("trainer", 1, lambda rank: [sys.executable, "-c", "import time; time.sleep(0.3)"],
+                     delay=0.01, max_failures=2, healthy_after=0.2, poll=0.02)
+
+    async def go():
+        task = asyncio.get_running_loop().create_task(sup.run())
+        while sup.starts < 4:
+            await asyncio.sleep(0.02)
+        state = sup.state(0)
+        sup.stopping = True
+        await task
+        await sup.stop()
+        return state
+
+    assert asyncio.run(go()) != "FAILED"  # every exit came after a healthy run: restarted each time
+
+
+@pytest.mark.integration
+def test_services_run_from_a_folder_holding_a_reshard_package(tmp_path, installed):
+    """A user who installed reshard (not editable) and starts the services from the checkout's root."""
+    python, env, entry = installed
+    cwd = shadowing_folder(tmp_path / "checkout")
+    inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / "services.log"
+    log = open(log_path, "w")
+
+    def reshard(*args):
+        return [python, str(entry), *args]
+
+    procs = [subprocess.Popen(reshard("inference", "--listen", inf, "--workers", "2", "--model", "tiny"), cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True),
+             subprocess.Popen(reshard("trainer", "--listen", tr, "--workers", "2", "--model", "tiny", "--inference", inf,
+                                      "--run", "cwd"), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)]
+    try:
+        for addr, stub in ((inf, rgrpc.InferenceServiceStub), (tr, rgrpc.TrainerServiceStub)):
+            t0 = time.monotonic()
+            while True:
+                assert time.monotonic() - t0 < 60, log_path.read_text()[-3000:]
+                try:
+                    with grpc.insecure_channel(addr) as ch:
+                        if stub(ch).GetStatus(pb.StatusRequest(), timeout=5).serving_state == "SERVING":
+                            break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        r = subprocess.run(reshard("update", "--trainer", tr, "--wait", "--json", "--timeout", "90"), cwd=cwd, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr + log_path.read_text()[-3000:]
+        assert json.loads(r.stdout)["committed"]["run"] == "cwd"
+        assert "No module named" not in log_path.read_text()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
