@@ -67,12 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--update-timeout", type=_positive, default=120.0, help="deadline of one whole update, seconds")
 
     models = sorted(MODELS)
+    model_help = (f"standalone workers' model: {', '.join(models)} (default {DEFAULT_MODEL}); "
+                  "with --external-workers only a label, the workers declare their own layout")
     p = sub.add_parser("inference", help="run inference_svc with standalone synthetic workers")
     p.add_argument("--listen", type=_address("listen address"), required=True)
     p.add_argument("--workers", type=int, default=None, help="workers (default: the layout's ranks, or 4)")
     p.add_argument("--layout", type=_layout_spec, default="",
                    help="standalone workers' layout, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all workers)")
-    p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
     p.add_argument("--external-workers", action="store_true",
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="workers (default: the layout's ranks, or 2)")
     p.add_argument("--layout", type=_layout_spec, default="",
                    help="standalone workers' layout, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all workers)")
-    p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     p.add_argument("--inference", type=_address("inference address"), action="append", default=[],
                    help="an inference deployment to update (repeat for several; more can be attached later)")
     p.add_argument("--seed", type=int, default=0)
@@ -165,14 +167,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _version_json(v) -> dict:
-    return {"run": v.run, "step": v.step}
-
-
-def status_json(st) -> dict:
+def message_to_dict(msg) -> dict:
+    """A protobuf message as the CLI prints it in JSON: the .proto's field names, every field,
+    and 64-bit integers as JSON numbers (the proto3 JSON mapping writes them as strings)."""
     from google.protobuf import json_format
 
-    return json_format.MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d = json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _int64_as_numbers(msg.DESCRIPTOR, d)
+
+
+def _int64_as_numbers(desc, d: dict) -> dict:
+    for name, v in d.items():
+        f = desc.fields_by_name.get(name)
+        if f is not None:
+            d[name] = _field_value(f, v)
+    return d
+
+
+def _field_value(f, v):
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    if f.message_type is not None and f.message_type.GetOptions().map_entry:
+        value = f.message_type.fields_by_name["value"]
+        return {k: _field_value(value, x) for k, x in v.items()}
+    if isinstance(v, list):  # a repeated field
+        return [_field_value(f, x) for x in v]
+    if f.type in (F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64):
+        return int(v)
+    # Well-known types (google.protobuf.*) keep their own JSON form.
+    if f.type == F.TYPE_MESSAGE and not f.message_type.full_name.startswith("google.protobuf."):
+        return _int64_as_numbers(f.message_type, v)
+    return v
 
 
 async def cmd_update(a) -> int:
@@ -189,7 +214,7 @@ async def cmd_update(a) -> int:
             print(f"update failed: {status_error(e)}", file=sys.stderr)
             return 2
         if not a.wait:
-            print(json.dumps({"version": _version_json(rep.version)}) if a.json else f"requested {rep.version.run}:{rep.version.step}")
+            print(json.dumps({"version": message_to_dict(rep.version)}) if a.json else f"requested {rep.version.run}:{rep.version.step}")
             return 0
         try:
             out = await stub.WaitForVersion(pb.WaitForVersionRequest(version=rep.version, timeout_s=a.timeout), timeout=a.timeout + 5)
@@ -197,7 +222,7 @@ async def cmd_update(a) -> int:
             print(f"update {rep.version.run}:{rep.version.step} failed: {status_error(e)}", file=sys.stderr)
             return 2
     if a.json:
-        print(json.dumps({"ok": out.ok, "requested": _version_json(rep.version), "committed": _version_json(out.committed) if out.ok else None,
+        print(json.dumps({"ok": out.ok, "requested": message_to_dict(rep.version), "committed": message_to_dict(out.committed) if out.ok else None,
                           "superseded": out.superseded, "error": out.error, "seconds": out.record.seconds, "bytes": out.record.bytes,
                           "verified": out.record.verified}))
     elif out.ok:
@@ -238,7 +263,7 @@ async def cmd_status(a) -> int:
             print(f"status failed: {status_error(e)}", file=sys.stderr)
             return 2
     if a.json:
-        print(json.dumps(status_json(st)))
+        print(json.dumps(message_to_dict(st)))
         return 0
     v = f"{st.version.run}:{st.version.step}" if st.has_version else "none"
     print(f"{st.role} ({st.model}): {'published' if st.role == 'trainer' else 'serving'} {v}, state {st.serving_state}")
@@ -289,35 +314,45 @@ async def cmd_dump(a) -> int:
         print("dump failed: incomplete stream", file=sys.stderr)
         return 2
     t = torch.frombuffer(bytes(buf), dtype=dtype_of(first.dtype)).view(tuple(first.shape)).clone()
-    torch.save({"name": first.name, "tensor": t, "version": _version_json(first.version)}, a.out)
+    torch.save({"name": first.name, "tensor": t, "version": message_to_dict(first.version)}, a.out)
     print(f"{first.name} {list(first.shape)} {first.dtype} version {first.version.run}:{first.version.step} -> {a.out}", file=sys.stderr)
     return 0
+
+
+def check_service_args(a) -> None:
+    """What argparse alone cannot check in `reshard inference|trainer`; fills in --workers.
+    Raises ValueError saying what to change."""
+    from reshard.common.frameworks import world_of
+
+    if not a.external_workers and a.model not in MODELS:
+        raise ValueError(f"--model {a.model!r} is not a built-in model: standalone workers take one of "
+                         f"{', '.join(sorted(MODELS))} (with --external-workers any label will do)")
+    layout_world = world_of(a.layout) if a.layout else None
+    if a.workers is None:
+        a.workers = layout_world or (4 if a.command == "inference" else 2)
+    if a.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if layout_world is not None and layout_world != a.workers:
+        raise ValueError(f"--layout {a.layout} has {layout_world} ranks but --workers is {a.workers}")
+    if a.device != "cpu" and not a.external_workers:
+        from reshard.common.backend import worker_device
+
+        try:
+            worker_device(a.device, 0)  # the standalone workers run on this host
+        except ValueError as e:
+            raise ValueError(f"--device: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.command in ("inference", "trainer"):
-        from reshard.common.frameworks import world_of
-
-        layout_world = world_of(a.layout) if a.layout else None
-        if a.workers is None:
-            a.workers = layout_world or (4 if a.command == "inference" else 2)
-        if a.workers < 1:
-            print("--workers must be at least 1", file=sys.stderr)
-            return 2
-        if layout_world is not None and layout_world != a.workers:
-            print(f"--layout {a.layout} has {layout_world} ranks but --workers is {a.workers}", file=sys.stderr)
+        try:
+            check_service_args(a)
+        except ValueError as e:
+            print(e, file=sys.stderr)
             return 2
         dl = Deadlines(rpc_s=a.rpc_timeout, update_s=a.update_timeout)
-        if a.device != "cpu" and not a.external_workers:
-            from reshard.common.backend import worker_device
-
-            try:
-                worker_device(a.device, 0)  # the standalone workers run on this host
-            except ValueError as e:
-                print(f"--device: {e}", file=sys.stderr)
-                return 2
         if a.command == "inference":
             from reshard.inference_svc.service import main as inf_main
 

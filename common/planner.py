@@ -34,15 +34,10 @@ How it is computed, at the scale of a trillion-parameter MoE:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
-import functools
-import gc
 import hashlib
 import heapq
 import math
-import threading
 import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -591,75 +586,10 @@ SEG_KEYS = ("tensor", "off", "size", "ndim", "sbuf", "sstart", "sstrides", "dbuf
 
 
 def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tensors: set[str] | None = None) -> Plan:
-    """Plan the transfer of every destination piece (of `tensors`, or all) from the source layout."""
-    # The planner allocates few long-lived objects but reads millions of layout objects: the
-    # cyclic collector would rescan them over and over. Pause it for the duration.
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        with _heap_for_planning():
-            return _make_plan(src, dst, options, tensors)
-    finally:
-        if was:
-            gc.enable()
+    """Plan the transfer of every destination piece (of `tensors`, or all) from the source layout.
 
-
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-@functools.cache
-def _libc():
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt.argtypes, libc.malloc_trim.argtypes = [ctypes.c_int, ctypes.c_int], [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None  # not glibc: nothing to tune
-
-
-_HEAP_LOCK = threading.Lock()
-_HEAP_USERS = [0, None]  # plans in progress; numpy's huge-page setting before the first of them
-
-
-@contextlib.contextmanager
-def _heap_for_planning():
-    """glibc's heap kept while planning: the planner allocates and frees hundreds of arrays of
-    tens of MB, and glibc returns each to the kernel and faults it in again (zeroed) on the next
-    one: more than half a second of system time for the largest plans here. Arrays up to 32 MiB
-    come from the heap and freed memory stays for the next array; after planning the heap is
-    trimmed back, so the process keeps no more than it did.
-
-    numpy asks the kernel for huge pages on large arrays; with the common THP setting
-    (defrag=madvise) each such fault may compact memory first. With the heap reused, small
-    pages fault once and cost less here: 0.3-0.5 s of system time instead of 0.9-1.2 s for the
-    Kimi-K2 plan. Plans made at once in several threads share one setting: the first sets it,
-    the last restores it."""
-    libc = _libc()
-    if libc is None:
-        yield
-        return
-    hp = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
-    with _HEAP_LOCK:
-        _HEAP_USERS[0] += 1
-        if _HEAP_USERS[0] == 1:
-            _HEAP_USERS[1] = hp(False) if hp else None
-            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's ceiling, and where its own dynamic threshold ends
-            libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-            libc.mallopt(_M_TOP_PAD, 16 << 20)
-    try:
-        yield
-    finally:
-        with _HEAP_LOCK:
-            _HEAP_USERS[0] -= 1
-            if _HEAP_USERS[0] == 0:
-                libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)  # glibc's dynamic value for that threshold
-                libc.mallopt(_M_TOP_PAD, 128 << 10)        # glibc's default
-                libc.malloc_trim(0)
-                if hp:
-                    hp(_HEAP_USERS[1])
-
-
-def _make_plan(src: Layout, dst: Layout, options: PlanOptions | None, tensors: set[str] | None) -> Plan:
+    It runs inside trainers and engines, so it leaves the process's allocator, garbage collector
+    and numpy settings alone; `reshard plan` tunes its own process instead."""
     options = options or PlanOptions()
     bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
     S, T, buffer_names = _tables(src, dst)

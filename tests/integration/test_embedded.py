@@ -1,6 +1,7 @@
 """The embedding API: TrainerWorker and InferenceWorker inside the user's own
 process (this test process), attached to real services started through the CLI."""
 
+import json
 import os
 import signal
 import subprocess
@@ -37,9 +38,9 @@ def test_embedded_workers_publish_and_commit(snapshot):
     inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
-                          "--model", "tiny", "--external-workers"], stderr=subprocess.DEVNULL, start_new_session=True),
+                          "--model", "my-tiny", "--external-workers"], stderr=subprocess.DEVNULL, start_new_session=True),
         subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", tr, "--workers", "2",
-                          "--model", "tiny", "--inference", inf, "--external-workers", "--run", "emb"],
+                          "--model", "my-tiny", "--inference", inf, "--external-workers", "--run", "emb"],
                          stderr=subprocess.DEVNULL, start_new_session=True),
     ]
     src, dst = megatron_layout(cfg, 2), vllm_layout(cfg, 2)
@@ -81,8 +82,11 @@ def test_embedded_workers_publish_and_commit(snapshot):
                     assert torch.equal(t[keep], want[name][keep]), f"rank {r} {name} at step {step}"
                 assert ("commit", r, step) in events
         assert ("pause", 0) in events and ("resume", 0) in events
-        r = cli("status", "--trainer", tr, "--json", check=True)
-        assert '"committed"' in r.stdout and '"emb"' in r.stdout
+        # --model is only a label with external workers; 64-bit integers print as JSON numbers.
+        st = json.loads(cli("status", "--trainer", tr, "--json", check=True).stdout)
+        assert st["model"] == "my-tiny" and st["committed"] == {"run": "emb", "step": 2}
+        assert [h["version"]["step"] for h in st["history"] if h["ok"]][-1] == 2
+        assert all(isinstance(h["bytes"], int) for h in st["history"]) and st["history"][-1]["bytes"] > 0
     finally:
         for w in trainers + inferences:
             w.stop()

@@ -1,0 +1,76 @@
+"""The command line's own logic: JSON output of protobuf messages and argument checks (no services)."""
+
+import json
+
+import pytest
+
+from reshard.cli import build_parser, check_service_args, main, message_to_dict
+from reshard.common.models import MODELS
+from reshard.proto import reshard_pb2 as pb
+
+BIG = 2**53 + 1  # not exact as a float: a number parsed through one would differ
+
+
+def test_message_to_dict_prints_64_bit_integers_as_numbers():
+    st = pb.Status(role="inference", model="tiny", has_version=True, version=pb.Version(run="r", step=BIG),
+                   requests_served=7, progress=pb.UpdateProgress(bytes_done=1, bytes_total=2, version=pb.Version(step=3)))
+    st.history.add(version=pb.Version(run="r", step=1), ok=True, seconds=0.5, bytes=BIG, requests_during=4, tensors=2)
+    st.history.add(version=pb.Version(run="r", step=2), ok=False, error="boom")
+    w = st.workers.add(rank=0, pid=1234, version=pb.Version(step=9), requests_served=5)
+    w.requests_by_version["r:1"] = BIG
+    w.memory["staging"] = 1 << 40
+    st.deployments.add(address="a:1", committed=pb.Version(run="r", step=6), has_committed=True)
+
+    d = json.loads(json.dumps(message_to_dict(st)))
+    assert d["version"] == {"run": "r", "step": BIG}
+    assert d["requests_served"] == 7 and d["requests_during_updates"] == 0  # absent ones too, as 0
+    p = d["progress"]
+    assert (p["bytes_done"], p["bytes_total"], p["version"], p["phase"]) == (1, 2, {"run": "", "step": 3}, "")
+    assert [h["version"]["step"] for h in d["history"]] == [1, 2]
+    assert d["history"][0]["bytes"] == BIG and d["history"][0]["tensors"] == 2 and d["history"][1]["bytes"] == 0
+    assert d["history"][0]["seconds"] == 0.5 and d["history"][1]["error"] == "boom"
+    [wd] = d["workers"]
+    assert wd["pid"] == 1234 and wd["version"]["step"] == 9 and wd["requests_served"] == 5
+    assert wd["requests_by_version"] == {"r:1": BIG} and wd["memory"] == {"staging": 1 << 40}
+    assert d["deployments"][0]["committed"]["step"] == 6 and "committed" not in d  # unset messages stay out
+    assert d["model"] == "tiny" and d["has_version"] is True
+
+
+def test_message_to_dict_unsigned_and_nested_repeated():
+    req = pb.FinishUpdateRequest(update_id="u", expected=[pb.PieceChecksum(rank=1, buffer="b", piece=2, value=2**64 - 1)])
+    assert message_to_dict(req) == {"update_id": "u", "expected": [{"rank": 1, "buffer": "b", "piece": 2, "value": 2**64 - 1}]}
+    out = pb.UpdateOutcome(ok=True, committed=pb.Version(run="r", step=4), record=pb.UpdateRecord(bytes=10))
+    d = message_to_dict(out)
+    assert d["committed"] == {"run": "r", "step": 4} and d["record"]["bytes"] == 10 and d["deployments"] == []
+
+
+def service_args(*argv: str):
+    a = build_parser().parse_args(list(argv))
+    check_service_args(a)
+    return a
+
+
+@pytest.mark.parametrize("command", ["inference", "trainer"])
+def test_model_is_a_label_with_external_workers(command):
+    a = service_args(command, "--listen", "127.0.0.1:1", "--model", "my-engine/Qwen3-8B", "--external-workers")
+    assert a.model == "my-engine/Qwen3-8B"
+    a = service_args(command, "--listen", "127.0.0.1:1", "--model", "tiny", "--workers", "3")
+    assert a.model == "tiny" and a.workers == 3
+
+
+@pytest.mark.parametrize("command", ["inference", "trainer"])
+def test_model_must_be_built_in_for_standalone_workers(command, capsys):
+    with pytest.raises(ValueError, match="--external-workers") as e:
+        service_args(command, "--listen", "127.0.0.1:1", "--model", "my-engine")
+    assert "'my-engine'" in str(e.value) and all(m in str(e.value) for m in MODELS)
+    assert main([command, "--listen", "127.0.0.1:1", "--model", "my-engine"]) == 2  # before anything starts
+    err = capsys.readouterr().err
+    assert "is not a built-in model" in err and "kimi-k2" in err
+
+
+def test_service_args_other_checks():
+    assert service_args("trainer", "--listen", "127.0.0.1:1", "--layout", "framework=megatron,tp=2,pp=2").workers == 4
+    with pytest.raises(ValueError, match="has 4 ranks but --workers is 2"):
+        service_args("trainer", "--listen", "127.0.0.1:1", "--layout", "framework=megatron,tp=2,pp=2", "--workers", "2")
+    with pytest.raises(ValueError, match="at least 1"):
+        service_args("inference", "--listen", "127.0.0.1:1", "--workers", "0")
