@@ -42,6 +42,8 @@ class WorkerConn:
     requests_during_update: int = 0
     requests_by_version: dict[str, int] = dataclasses.field(default_factory=dict)
     version: pb.Version | None = None
+    held: bool = True  # inference: not serving requests (it says so in every heartbeat)
+    allowed: bool | None = None  # inference: what its controller last told it (serve or hold)
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # from its last finished transfer
 
@@ -67,9 +69,17 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.changed = asyncio.Condition()
         self.on_event: Callable[[WorkerConn, wpb.WorkerMessage], None] | None = None
         self.on_disconnect: Callable[[WorkerConn], None] | None = None
+        self.on_attach: Callable[[WorkerConn], None] | None = None
         self.generation = 0  # bumps whenever membership changes
         self.stopping = False
         self.supervisor = None  # common.supervisor.Supervisor, when this controller runs standalone workers
+        self.default_run = ""  # the run of versions a worker reports without one (a trainer made without run=)
+
+    def own(self, v: pb.Version) -> pb.Version:
+        """A version a worker reported, with this controller's run filled in when it gave none."""
+        if not v.run and self.default_run:
+            v = pb.Version(run=self.default_run, step=v.step)
+        return v
 
     def why_missing(self, rank: int) -> str:
         """Why a rank's worker is not attached, when its supervisor knows ('' otherwise)."""
@@ -103,10 +113,12 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         old = self.workers.get(h.rank)
         if old is not None and old.alive:
             self._drop(old, "replaced by a new worker of the same rank")
-        conn = WorkerConn(h.rank, h, asyncio.Queue(), version=h.version if h.has_version else None)
+        conn = WorkerConn(h.rank, h, asyncio.Queue(), version=self.own(h.version) if h.has_version else None)
         self.workers[h.rank] = conn
         self.generation += 1
         log.info("%s worker rank %d attached (pid %d)", self.role, h.rank, h.pid)
+        if self.on_attach:
+            self.on_attach(conn)
         await self._notify()
 
         async def reader() -> None:
@@ -164,7 +176,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             conn.requests_served = msg.heartbeat.requests_served
             conn.requests_during_update = msg.heartbeat.requests_during_update
             conn.requests_by_version = dict(msg.heartbeat.requests_by_version)
-            conn.version = msg.heartbeat.version if msg.heartbeat.has_version else None
+            conn.version = self.own(msg.heartbeat.version) if msg.heartbeat.has_version else None
+            conn.held = msg.heartbeat.held
         elif self.on_event:
             self.on_event(conn, msg)
 
@@ -209,6 +222,11 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             if isinstance(r, BaseException):
                 raise r
         return results
+
+    def send(self, conn: WorkerConn, **command) -> None:
+        """Fire and forget to one worker."""
+        if conn.alive:
+            conn.queue.put_nowait(wpb.ControllerMessage(id=next(self._ids), **command))
 
     def send_all(self, **command) -> None:
         """Fire and forget (abort): no reply awaited."""

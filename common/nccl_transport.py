@@ -9,7 +9,10 @@ Never hanging: the communicator is created non-blocking (`ncclCommInitRankConfig
 error or when the deadline passes the communicator is aborted (`ncclCommAbort`), so a
 peer that never joins, dies or freezes fails the update instead of hanging a survivor.
 Every call here blocks or polls, so it runs on the worker's data-plane thread, never
-on its event loop.
+on its event loop. The one exception is `abort()`, made from another thread when the
+controller aborts the update: it takes the lock that every use of the communicator
+handle holds, aborts the communicator (which stops a kernel that waits for a peer),
+and the data-plane thread's next poll fails with the abort's reason.
 
 Streams: the engine packs and unpacks on this transport's copy stream
 (`copy_context()`); a round's sends and receives are posted, then `flush()` fuses them
@@ -25,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -97,13 +102,16 @@ class NcclTransport(Transport):
     name = "nccl"
 
     @classmethod
-    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu") -> "NcclTransport":
+    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
+                    on_connecting: Callable[[Transport], None] | None = None) -> "NcclTransport":
         if not session.nccl_unique_id:
             raise TransportError(f"session {session.id} uses nccl but carries no nccl_unique_id")
-        return cls(bytes(session.nccl_unique_id), rank, world, timeout_s, device=device, session=session.id)
+        return cls(bytes(session.nccl_unique_id), rank, world, timeout_s, device=device, session=session.id,
+                   on_connecting=on_connecting)
 
     def __init__(self, unique_id: bytes, rank: int, world: int, timeout_s: float, *, device: str | torch.device,
-                 session: str = "", library: NcclLibrary | None = None, cuda: CudaOps | None = None) -> None:
+                 session: str = "", library: NcclLibrary | None = None, cuda: CudaOps | None = None,
+                 on_connecting: Callable[[Transport], None] | None = None) -> None:
         dev = torch.device(device)
         if cuda is None:
             if dev.type != "cuda":
@@ -115,6 +123,7 @@ class NcclTransport(Transport):
         self.device, self._cuda = dev, cuda
         self.rank, self.world, self.session, self.timeout_s = rank, world, session, timeout_s
         self._comm = None
+        self._lock = threading.RLock()  # held around every use of the communicator handle (abort() comes from any thread)
         self._broken = ""
         self._open: _Group | None = None
         self._peers: set[int] = set()
@@ -128,8 +137,14 @@ class NcclTransport(Transport):
         self.copy_stream = cuda.stream()
         self._free0 = cuda.free_bytes()
         self._reserved0 = cuda.reserved_bytes()
+        if on_connecting is not None:
+            on_connecting(self)
         t0 = time.monotonic()
-        self._comm = self.lib.comm_init_rank(world, unique_id, rank, blocking=False)
+        comm = self.lib.comm_init_rank(world, unique_id, rank, blocking=False)
+        with self._lock:
+            self._comm = comm
+            if self.aborted:  # abort() came before there was a communicator to abort
+                self._abort(self.aborted)
         self._settle(t0 + timeout_s, timeout_s, f"joining NCCL session {session} as rank {rank} of {world}")
         self.init_seconds = time.monotonic() - t0
         self._measure()
@@ -137,32 +152,44 @@ class NcclTransport(Transport):
                   self.init_seconds, self.lib.version)
 
     # -- failure handling ------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """From any thread: abort the communicator; what the data-plane thread waits on, and every
+        later call, fails with `TransportError(reason)`."""
+        with self._lock:
+            if self.aborted:
+                return
+            self.aborted = reason
+            self._abort(reason)
+
     def _abort(self, why: str) -> None:
-        comm, self._comm = self._comm, None
-        self._broken = why
-        if comm is None:
-            return
-        t0 = time.monotonic()
-        try:
-            self.lib.comm_abort(comm)
-        except NcclError as e:
-            log.warning("ncclCommAbort (session %s, rank %d): %s", self.session, self.rank, e)
-        self.abort_seconds = time.monotonic() - t0
+        with self._lock:
+            comm, self._comm = self._comm, None
+            self._broken = self._broken or why
+            if comm is None:
+                return
+            t0 = time.monotonic()
+            try:
+                self.lib.comm_abort(comm)
+            except NcclError as e:
+                log.warning("ncclCommAbort (session %s, rank %d): %s", self.session, self.rank, e)
+            self.abort_seconds = time.monotonic() - t0
         log.warning("nccl session %s, rank %d: communicator aborted in %.3fs: %s", self.session, self.rank,
                     self.abort_seconds, why)
 
     def _usable(self) -> None:
         if self._comm is None:
-            raise TransportError(f"NCCL session {self.session} is unusable: {self._broken or 'closed'}")
+            raise TransportError(self.aborted or f"NCCL session {self.session} is unusable: {self._broken or 'closed'}")
 
     def _async_error(self, what: str) -> int:
-        code = self.lib.comm_async_error(self._comm)
-        if code not in (ncclSuccess, ncclInProgress):
-            last = self.lib.last_error(self._comm)
-            err = NcclError("ncclCommGetAsyncError", code, self.lib.error_string(code),
-                            f"{what}; communicator aborted" + (f"; {last}" if last else ""))
-            self._abort(str(err))
-            raise err
+        with self._lock:
+            self._usable()
+            code = self.lib.comm_async_error(self._comm)
+            if code not in (ncclSuccess, ncclInProgress):
+                last = self.lib.last_error(self._comm)
+                err = NcclError("ncclCommGetAsyncError", code, self.lib.error_string(code),
+                                f"{what}; communicator aborted" + (f"; {last}" if last else ""))
+                self._abort(str(err))
+                raise err
         return code
 
     def _settle(self, deadline: float, timeout_s: float, what: str) -> None:
@@ -235,13 +262,15 @@ class NcclTransport(Transport):
         g.new_peers = not peers <= self._peers
         self._peers |= peers
         stream = self.comm_stream.cuda_stream
-        self.lib.group_start()
-        try:
-            for op in sorted(g.ops, key=lambda o: (o.peer, o.kind, o.tag)):
-                call = self.lib.send if op.kind == "send" else self.lib.recv
-                call(op.buf.data_ptr(), op.buf.numel(), op.peer, self._comm, stream)
-        finally:
-            code = self.lib.group_end()
+        with self._lock:
+            self._usable()
+            self.lib.group_start()
+            try:
+                for op in sorted(g.ops, key=lambda o: (o.peer, o.kind, o.tag)):
+                    call = self.lib.send if op.kind == "send" else self.lib.recv
+                    call(op.buf.data_ptr(), op.buf.numel(), op.peer, self._comm, stream)
+            finally:
+                code = self.lib.group_end()
         g.launched = True
         if code == ncclSuccess:
             g.event = self._record()
@@ -284,7 +313,10 @@ class NcclTransport(Transport):
             self._after_producer()
             g = _Group(launched=True, new_peers=not set(members) <= self._peers)
             self._peers |= set(members)
-            code = self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), root, self._comm, self.comm_stream.cuda_stream)
+            with self._lock:
+                self._usable()
+                code = self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), root, self._comm,
+                                          self.comm_stream.cuda_stream)
             if code == ncclSuccess:
                 g.event = self._record()
             return _NcclWork(self, g, f"broadcast from rank {root}")
@@ -301,16 +333,20 @@ class NcclTransport(Transport):
     def close(self) -> None:
         """Finalize and destroy the communicator (bounded: abort it if a peer does not finalize)."""
         self._open = None
-        if self._comm is None:
-            return
         try:
             if self.lib.has("ncclCommFinalize"):
-                self.lib.comm_finalize(self._comm)
+                with self._lock:
+                    if self._comm is None:
+                        return
+                    self.lib.comm_finalize(self._comm)
                 self._settle(time.monotonic() + CLOSE_TIMEOUT_S, CLOSE_TIMEOUT_S, f"closing NCCL session {self.session}")
-            comm, self._comm = self._comm, None
-            self.lib.comm_destroy(comm)
-            self._broken = "closed"
-        except TransportError as e:  # _settle aborted it already
+            with self._lock:
+                comm, self._comm = self._comm, None
+                if comm is None:
+                    return
+                self.lib.comm_destroy(comm)
+                self._broken = "closed"
+        except TransportError as e:  # _settle aborted it already, or abort() did meanwhile
             log.warning("nccl session %s, rank %d: %s", self.session, self.rank, e)
             if self._comm is not None:
                 self._abort(str(e))

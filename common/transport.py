@@ -7,6 +7,11 @@ PrefixStore per session, no global default group); `nccl` (common/nccl_transport
 on CUDA. A transport may hold back what was posted until `flush()` (NCCL fuses a
 round's operations in one group) and may run the engine's copies on a stream of
 its own (`copy_context()`); for gloo both are no-ops.
+
+`abort(reason)` may be called from any thread (the worker's control loop, when the
+controller aborts an update): whatever the data-plane thread is blocked on (joining
+the session, waiting for posted work) fails at once with `TransportError(reason)`, as
+does every later call. An aborted session is never reused; `close()` still releases it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import abc
 import contextlib
 import datetime
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -34,11 +41,18 @@ class Work(abc.ABC):
 class Transport(abc.ABC):
     name: str = "?"
     connection_bytes: int = 0  # device memory the transport's own connections hold (NCCL's buffers)
+    aborted: str = ""  # why abort() was called ("" while the session is usable)
 
     @classmethod
-    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu") -> "Transport":
-        """Join the data-plane session described by a `reshard.v1.Session` as `rank` of `world`."""
-        return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s)
+    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
+                    on_connecting: Callable[["Transport"], None] | None = None) -> "Transport":
+        """Join the data-plane session described by a `reshard.v1.Session` as `rank` of `world`.
+        `on_connecting(transport)` runs before joining blocks, so that another thread can abort it."""
+        return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s, on_connecting=on_connecting)
+
+    def abort(self, reason: str) -> None:
+        """From any thread: fail what is blocked now and every later call with `TransportError(reason)`."""
+        self.aborted = self.aborted or reason
 
     def flush(self) -> None:
         """Start whatever was posted and not started yet (one round's sends and receives)."""
@@ -61,17 +75,34 @@ class Transport(abc.ABC):
     def close(self) -> None: ...
 
 
-class _GlooWork(Work):
-    __slots__ = ("_w", "_what")
+# abort() breaks a group with a receive nobody sends (this tag is outside any plan's) waited on for a
+# millisecond: gloo answers a timed-out wait by failing every pending operation of the group's context and
+# closing its connections, so the blocked thread wakes with an error and the peers see the group close.
+# (torch 2.13's ProcessGroupGloo.abort() and shutdown() return at once and leave a pending receive waiting.)
+_BREAK_TAG = 2**31 - 1
 
-    def __init__(self, w, what: str) -> None:
-        self._w, self._what = w, what
+
+def _break(pg) -> None:
+    if pg.size() < 2:
+        return  # nothing to wait for in a group of one
+    try:
+        pg.recv([torch.empty(1, dtype=torch.uint8)], (pg.rank() + 1) % pg.size(), _BREAK_TAG).wait(
+            datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the expected timeout, or a group that was broken already
+
+
+class _GlooWork(Work):
+    __slots__ = ("_t", "_w", "_what")
+
+    def __init__(self, transport: "GlooTransport", w, what: str) -> None:
+        self._t, self._w, self._what = transport, w, what
 
     def wait(self, timeout_s: float) -> None:
         try:
             self._w.wait(datetime.timedelta(seconds=max(0.001, timeout_s)))
         except RuntimeError as e:
-            raise TransportError(f"gloo {self._what} failed: {str(e).splitlines()[0]}") from e
+            raise self._t._error(self._what, e) from e
 
 
 class GlooTransport(Transport):
@@ -79,50 +110,121 @@ class GlooTransport(Transport):
 
     name = "gloo"
 
-    def __init__(self, store_host: str, store_port: int, session: str, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, store_host: str, store_port: int, session: str, rank: int, world: int, timeout_s: float, *,
+                 on_connecting: Callable[[Transport], None] | None = None) -> None:
+        self.rank, self.world, self.session = rank, world, session
+        self._groups: dict[tuple[int, ...], object] = {}
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = self._pg = None
+        self._lock = threading.Lock()  # orders abort() (any thread) against groups being made
+        self._joined = threading.Event()  # the rendezvous ended, or abort() was called
+        if on_connecting is not None:
+            on_connecting(self)
+            if self.aborted:
+                raise TransportError(self.aborted)
+        t0 = time.monotonic()
+        # The rendezvous waits on the store for every peer: it runs on a thread of its own, so that
+        # abort() can release this one (the other ends at the store's timeout and drops what it made).
+        failed: list[RuntimeError] = []
+        threading.Thread(target=self._join, args=(store_host, store_port, failed), daemon=True,
+                         name=f"reshard-gloo-join-{session}-{rank}").start()
+        self._joined.wait()
+        if self.aborted:
+            raise TransportError(self.aborted)
+        if failed:
+            raise TransportError(
+                f"gloo rendezvous for session {session} (rank {rank} of {world}) at {store_host}:{store_port} "
+                f"failed after {time.monotonic() - t0:.1f}s: {str(failed[0]).splitlines()[0]}"
+            ) from failed[0]
+        log.debug("gloo session %s: rank %d/%d connected in %.2fs", session, rank, world, time.monotonic() - t0)
+
+    def _join(self, store_host: str, store_port: int, failed: list[RuntimeError]) -> None:
         from torch.distributed import PrefixStore, TCPStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        self.rank, self.world, self.session = rank, world, session
-        self._groups: dict[tuple[int, ...], object] = {}
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._timeout = timeout
-        t0 = time.monotonic()
         try:
-            self._store = TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=timeout, wait_for_workers=False)
-            prefix = PrefixStore(f"reshard/{session}", self._store)
-            self._pg = ProcessGroupGloo(prefix, rank, world, timeout)
+            store = TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=self._timeout,
+                             wait_for_workers=False)
+            pg = ProcessGroupGloo(PrefixStore(f"reshard/{self.session}", store), self.rank, self.world, self._timeout)
+            with self._lock:
+                late = bool(self.aborted)
+                if not late:
+                    self._store, self._pg = store, pg
+            if late:
+                _break(pg)
         except RuntimeError as e:
-            raise TransportError(
-                f"gloo rendezvous for session {session} (rank {rank} of {world}) at {store_host}:{store_port} "
-                f"failed after {time.monotonic() - t0:.1f}s: {str(e).splitlines()[0]}"
-            ) from e
-        log.debug("gloo session %s: rank %d/%d connected in %.2fs", session, rank, world, time.monotonic() - t0)
+            failed.append(e)
+        finally:
+            self._joined.set()
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self.aborted:
+                return
+            self.aborted = reason
+            groups = [pg for pg in (self._pg, *self._groups.values()) if pg is not None]
+        self._joined.set()
+        t0 = time.monotonic()
+        for pg in groups:
+            _break(pg)
+        log.info("gloo session %s, rank %d: aborted in %.3fs: %s", self.session, self.rank, time.monotonic() - t0, reason)
+
+    def _error(self, what: str, e: RuntimeError) -> TransportError:
+        if self.aborted:
+            return TransportError(self.aborted)
+        return TransportError(f"gloo {what} failed: {str(e).splitlines()[0]}")
+
+    def _post(self, op: str, buf: torch.Tensor, peer: int, tag: int, what: str) -> Work:
+        pg = self._pg
+        if self.aborted:
+            raise TransportError(self.aborted)
+        if pg is None:
+            raise TransportError(f"gloo session {self.session} is closed")
+        try:
+            return _GlooWork(self, getattr(pg, op)([buf], peer, tag), what)
+        except RuntimeError as e:
+            raise self._error(what, e) from e
 
     def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
-        return _GlooWork(self._pg.send([buf], peer, tag), f"send to rank {peer} (tag {tag})")
+        return self._post("send", buf, peer, tag, f"send to rank {peer} (tag {tag})")
 
     def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
-        return _GlooWork(self._pg.recv([buf], peer, tag), f"receive from rank {peer} (tag {tag})")
+        return self._post("recv", buf, peer, tag, f"receive from rank {peer} (tag {tag})")
 
     def broadcast(self, buf: torch.Tensor, members: tuple[int, ...]) -> Work:
         from torch.distributed import BroadcastOptions, PrefixStore
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+        what = f"broadcast from rank {members[0]}"
+        if self.aborted:
+            raise TransportError(self.aborted)
         pg = self._groups.get(members)
         if pg is None:
             name = "-".join(map(str, members))
-            pg = ProcessGroupGloo(PrefixStore(f"reshard/{self.session}/group/{name}", self._store),
-                                  members.index(self.rank), len(members), self._timeout)
-            self._groups[members] = pg
+            try:
+                pg = ProcessGroupGloo(PrefixStore(f"reshard/{self.session}/group/{name}", self._store),
+                                      members.index(self.rank), len(members), self._timeout)
+            except RuntimeError as e:
+                raise self._error(f"rendezvous of the group {name}", e) from e
+            with self._lock:
+                late = bool(self.aborted)
+                if not late:
+                    self._groups[members] = pg
+            if late:
+                _break(pg)
+                raise TransportError(self.aborted)
         opts = BroadcastOptions()
         opts.rootRank = 0
-        return _GlooWork(pg.broadcast([buf], opts), f"broadcast from rank {members[0]}")
+        try:
+            return _GlooWork(self, pg.broadcast([buf], opts), what)
+        except RuntimeError as e:
+            raise self._error(what, e) from e
 
     def close(self) -> None:
-        self._groups.clear()
-        self._pg = None
-        self._store = None
+        with self._lock:
+            self._groups.clear()
+            self._pg = None
+            self._store = None
 
 
 TRANSPORTS = {"gloo": GlooTransport}

@@ -79,6 +79,9 @@ class WorkerBase:
         self._stopping = False
         self._call = None
         self._connected = threading.Event()
+        self._emit_lock = threading.Lock()  # orders messages emitted before the loop runs before later ones
+        self._early: list[wpb.WorkerMessage] = []  # emitted before the loop's queue existed
+        self._tasks: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
         self.last_error = ""
         self.requests_served = 0
         self.requests_during_update = 0
@@ -115,8 +118,19 @@ class WorkerBase:
         finally:
             loop.close()
 
+    def _spawn(self, coro) -> asyncio.Task:
+        """A task on this worker's loop, referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _main(self) -> None:
-        self._out = asyncio.Queue()  # survives reconnects: nothing queued is lost
+        with self._emit_lock:
+            self._out = asyncio.Queue()  # survives reconnects: nothing queued is lost
+            for m in self._early:
+                self._out.put_nowait(m)
+            self._early.clear()
         backoff = 0.2
         while not self._stopping:
             try:
@@ -161,7 +175,7 @@ class WorkerBase:
             hb = asyncio.get_running_loop().create_task(self._heartbeats())
             try:
                 async for cmd in call:
-                    asyncio.get_running_loop().create_task(self._handle(cmd))
+                    self._spawn(self._handle(cmd))
             finally:
                 hb.cancel()
 
@@ -179,14 +193,20 @@ class WorkerBase:
         return wpb.WorkerMessage(heartbeat=hb)
 
     def emit(self, msg: wpb.WorkerMessage) -> None:
-        """Queue a message to the controller (from any thread)."""
-        loop, out = self._loop, self._out
-        if loop is None or out is None:
-            return
+        """Queue a message to the controller (from any thread). Nothing is dropped: a message
+        emitted before the worker's loop runs (or while it reconnects) waits in order."""
+        with self._emit_lock:
+            loop, out = self._loop, self._out
+            if loop is None or out is None:
+                self._early.append(msg)
+                return
         if threading.current_thread() is self._thread:
             out.put_nowait(msg)
         else:
-            loop.call_soon_threadsafe(out.put_nowait, msg)
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, msg)
+            except RuntimeError:  # the loop closed: the worker stopped
+                raise RuntimeError(f"{self.role} worker {self.rank} is stopped") from None
 
     # -- commands ------------------------------------------------------------------------
     async def _handle(self, cmd: wpb.ControllerMessage) -> None:
@@ -199,23 +219,29 @@ class WorkerBase:
         except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
             log.debug("%s worker %d: %s failed", self.role, self.rank, kind, exc_info=True)
             reply = wpb.Reply(id=cmd.id, ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, (LayoutError, TransportError)) else str(e))
-        if kind != "abort":
+        if kind not in ("abort", "release", "serve"):  # sent without waiting for a reply
             self.emit(wpb.WorkerMessage(reply=reply))
 
     async def _on_abort(self, a: wpb.Abort, cid: int) -> None:
         self._aborted.add(a.update_id)
         log.warning("%s worker %d: update %s aborted: %s", self.role, self.rank, a.update_id, a.reason)
-        self._drop_session(a.update_id)
+        self._drop_session(a.update_id, f"update {a.update_id} aborted: {a.reason}")
         self.on_abort(a.update_id)
 
     def on_abort(self, update_id: str) -> None:
         pass
 
-    def _drop_session(self, update_id: str) -> None:
+    def _drop_session(self, update_id: str, abort: str = "") -> None:
+        """Forget the update's session: one that failed or was aborted is never reused. With `abort`
+        (the reason), abort it first, from a thread of its own: the data-plane thread may be blocked in it."""
         t = self._sessions.pop(self._update_session.get(update_id, ""), None)
-        if t is not None:
-            # Close on the data-plane thread, after whatever it still runs there.
-            self._dp.submit(t.close)
+        if t is None:
+            return
+        if abort:
+            threading.Thread(target=t.abort, args=(abort,), name=f"reshard-{self.role}{self.rank}-abort",
+                             daemon=True).start()
+        # Close on the data-plane thread, after whatever it still runs there.
+        self._dp.submit(t.close)
 
     async def _on_nccl_unique_id(self, u: wpb.NcclUniqueId, cid: int) -> dict:
         """Make the ncclUniqueId of a new NCCL session: this process hosts its bootstrap root."""
@@ -245,10 +271,10 @@ class WorkerBase:
             raise LayoutError("the serialized baseline moves whole models: it takes no partial updates")
         if p.mode != "serialized" and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
-        self.before_transfer(p)
+        await loop.run_in_executor(None, self.before_transfer, p)  # may wait for the engine's step (a lock)
         self._current = p.update_id
         total = plan.send_bytes(self.rank) if self.side == "src" else plan.recv_bytes(self.rank)
-        loop.create_task(self._transfer(p, plan, src, dst))
+        self._spawn(self._transfer(p, plan, src, dst))
         return {"bytes_total": total}
 
     def before_transfer(self, p: wpb.Prepare) -> None:
@@ -275,16 +301,21 @@ class WorkerBase:
         done.seconds = time.perf_counter() - t0
         self.emit(wpb.WorkerMessage(done=done))
 
-    def _transport(self, s: pb.Session, timeout: float) -> Transport:
+    def _transport(self, s: pb.Session, timeout: float, update_id: str = "") -> Transport:
         t = self._sessions.get(s.id)
         if t is not None:
             return t
         while len(self._sessions) >= 8:  # deployments detached long ago
             self._sessions.pop(next(iter(self._sessions))).close()
         rank = self.rank if self.side == "src" else s.src_world + self.rank
-        t = transport_class(s.transport or "gloo").for_session(s, rank, s.src_world + s.dst_world, timeout, device=self.device)
-        self._sessions[s.id] = t
-        return t
+
+        def connecting(t: Transport) -> None:
+            self._sessions[s.id] = t  # from here on, an abort of the update reaches it while it joins
+            if update_id in self._aborted:  # the abort came first and found no session
+                t.abort(f"update {update_id} aborted")
+
+        return transport_class(s.transport or "gloo").for_session(s, rank, s.src_world + s.dst_world, timeout,
+                                                                  device=self.device, on_connecting=connecting)
 
     def memory_report(self) -> dict[str, int]:
         """This rank's memory by category, bytes: the staging pool, shadow buffers (inference),
@@ -327,7 +358,7 @@ class WorkerBase:
         if p.update_id in self._aborted:
             raise TransportError(f"update {p.update_id} was aborted")
         self._update_session = {p.update_id: p.session.id}
-        transport = self._transport(p.session, p.timeout_s)
+        transport = self._transport(p.session, p.timeout_s, p.update_id)
         buffers = self.transfer_buffers()
         last = [0.0]
 
@@ -345,12 +376,14 @@ class WorkerBase:
         slow_seconds = float(self.fault.get("slow_seconds", 0))
 
         def hook(rnd: int) -> None:
-            if p.update_id in self._aborted:
-                raise TransportError(f"update {p.update_id} was aborted")
-            if rnd == slow_after:
+            if rnd == slow_after:  # a data plane that stalls while the control plane still answers
                 if self.fault.get("once"):
                     self.fault = {}
-                time.sleep(slow_seconds)
+                until = time.monotonic() + slow_seconds
+                while time.monotonic() < until and p.update_id not in self._aborted:
+                    time.sleep(0.05)
+            if p.update_id in self._aborted:
+                raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
         if p.mode == "serialized":
             return baseline.run(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,

@@ -7,9 +7,11 @@ canonical tensors for operators (`Dump`)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import sys
 import time
+import uuid
 
 import grpc
 
@@ -25,6 +27,8 @@ from reshard.proto import worker_pb2 as wpb
 log = logging.getLogger("reshard.inference_svc")
 
 DUMP_CHUNK = 1 << 20
+TERMINAL = ("DONE", "ABORT")
+FINISHING = ("VERIFY", "COMMIT")  # FinishUpdate owns the update: nothing else may abort it
 
 
 def _v(version: pb.Version | None) -> str:
@@ -45,6 +49,12 @@ class _Update:
         self.world = world
         self.requests_at_start = 0
         self.tensors = 0
+        self.begin_reply: pb.BeginUpdateReply | None = None  # a retried BeginUpdate gets it again
+        self.finish: asyncio.Task | None = None  # verify + commit, run once whoever asks
+
+
+class _Failed(Exception):
+    """An update failed; the message says why (recorded for retried calls)."""
 
 
 class InferenceController(rgrpc.InferenceServiceServicer):
@@ -52,6 +62,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.hub, self.model, self.deadlines = hub, model, deadlines
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
+        hub.on_attach = lambda conn: self._reconcile()
         self.update: _Update | None = None
         self.committed: pb.Version | None = None
         self.history: list[pb.UpdateRecord] = []
@@ -59,6 +70,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self._layout: tuple[int, Layout] | None = None
         self._lock = asyncio.Lock()
         self._not_serving = False  # an in-place update failed midway
+        self.instance = uuid.uuid4().hex[:8]  # a restarted controller is a new membership
+        self.finished: collections.OrderedDict[str, tuple[pb.FinishUpdateReply | None, str]] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task] = set()
 
     # -- state -----------------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -84,15 +98,40 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if u is not None and u.phase not in ("DONE", "ABORT"):
             u.error = u.error or f"inference worker rank {conn.rank} (pid {conn.pid}) died during the update"
             u.changed.set()
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """A rank serves only the deployment's committed version: hold the others until an update
+        (or a repair) brings them to it. A restarted controller first learns that version from its
+        workers (the one most ranks hold, the newest on a tie) once every rank has attached."""
+        alive = self.hub.alive()
+        if self.committed is None:
+            held = [w.version for w in alive if w.version is not None]
+            if not self.hub.complete() or not held:
+                return
+            counts: dict[str, int] = {}
+            for v in held:
+                counts[_v(v)] = counts.get(_v(v), 0) + 1
+            self.committed = max(held, key=lambda v: (counts[_v(v)], v.step))
+            log.info("serving version %s, learned from the workers (%s)", _v(self.committed),
+                     ", ".join(f"{k} on {n} rank(s)" for k, n in sorted(counts.items())))
+        for w in alive:
+            want = w.version is not None and _v(w.version) == _v(self.committed)
+            if w.allowed != want:
+                w.allowed = want
+                why = (f"it holds the deployment's version {_v(self.committed)}" if want else
+                       f"it holds {_v(w.version)}, the deployment serves {_v(self.committed)}: held until a repair")
+                self.hub.send(w, serve=wpb.Serve(allow=want, reason=why))
+
+    def needs_repair(self) -> bool:
+        return self.committed is not None and any(
+            w.version is None or _v(w.version) != _v(self.committed) for w in self.hub.alive())
 
     def serving_state(self) -> str:
         alive = self.hub.alive()
-        if self._not_serving:
+        if self._not_serving or not alive or all(w.held for w in alive):
             return "NOT_SERVING"
-        if not alive:
-            return "NOT_SERVING"
-        versions = {_v(w.version) for w in alive}
-        if len(alive) < self.hub.world or len(versions) > 1:
+        if len(alive) < self.hub.world or any(w.held for w in alive) or self.needs_repair():
             return "DEGRADED"
         return "SERVING"
 
@@ -111,22 +150,45 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.LayoutReply(model=self.model, layout=layout.to_bytes(), fingerprint=layout.fingerprint(), workers=self.hub.world,
-                              devices=[w.device for w in self.hub.alive()])
+                              devices=[w.device for w in self.hub.alive()], membership=self.membership())
+
+    def membership(self) -> str:
+        """Who the data plane would connect to: this controller's life and its workers' processes."""
+        return f"{self.instance}:{self.hub.generation}:" + ",".join(f"{w.rank}/{w.pid}" for w in self.hub.alive())
 
     async def BeginUpdate(self, req: pb.BeginUpdateRequest, context):
         if not req.update_id or not req.version.run or not req.src_layout or not req.session.id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "BeginUpdate needs update_id, version.run, src_layout and session")
         async with self._lock:
-            if self.update is not None and self.update.phase not in ("DONE", "ABORT"):
-                await self._abort(self.update, f"superseded by update {req.update_id}")
+            cur = self.update
+            if cur is not None and cur.id == req.update_id:  # a retried call
+                if cur.phase == "ABORT":
+                    await context.abort(grpc.StatusCode.ABORTED, f"update {req.update_id} was aborted: {cur.error}")
+                if cur.begin_reply is not None:
+                    return cur.begin_reply
+            if req.update_id in self.finished:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"update {req.update_id} already finished")
+            if cur is not None and cur.phase in FINISHING:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"update {cur.id} ({_v(cur.version)}) is in {cur.phase} on every rank; "
+                                    "a new update can begin when it ends")
+            if cur is not None and cur.phase not in TERMINAL:
+                await self._abort(cur, f"superseded by update {req.update_id}")
+            try:  # a restarted controller learns the served version from its workers before it accepts anything
+                await self.hub.wait_complete(self.deadlines.rpc_s)
+            except WorkerError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            self._reconcile()
             served = self.committed
-            if served is not None and served.run == req.version.run and req.version.step <= served.step:
+            repair = self.needs_repair() and served is not None and _v(served) == _v(req.version)
+            if served is not None and served.run == req.version.run and req.version.step <= served.step and not repair:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"version {_v(req.version)} does not advance the committed {_v(served)} of the same run")
             u = _Update(req, self.hub.world)
             self.update = u
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)
+                self._reconcile()
                 dst = self.layout()
                 src = Layout.from_bytes(req.src_layout)
                 opts = PlanOptions(bucket_bytes=req.bucket_bytes) if req.bucket_bytes else PlanOptions()
@@ -149,12 +211,39 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             except WorkerError as e:
                 await self._abort(u, str(e))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.BeginUpdateReply(bytes_total=u.bytes_total)
+            u.begin_reply = pb.BeginUpdateReply(bytes_total=u.bytes_total)
+        return u.begin_reply
 
     async def FinishUpdate(self, req: pb.FinishUpdateRequest, context):
+        """Verify and commit on every rank, once: a retried call (or one that arrives while the
+        first still runs) gets the same outcome, and a caller that goes away does not stop it."""
+        done = self.finished.get(req.update_id)
         u = self.update
-        if u is None or u.id != req.update_id:
+        if done is None and (u is None or u.id != req.update_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no update {req.update_id!r} in progress")
+        if done is None and u.phase == "ABORT":
+            await context.abort(grpc.StatusCode.ABORTED, f"update {_v(u.version)} failed: {u.error}")
+        if done is None:
+            if u.finish is None:
+                u.finish = asyncio.get_running_loop().create_task(self._finish(u, req))
+                self._tasks.add(u.finish)
+                u.finish.add_done_callback(self._tasks.discard)
+            try:
+                await asyncio.shield(u.finish)
+            except _Failed:
+                pass
+            done = self.finished[req.update_id]
+        reply, error = done
+        if reply is None:
+            await context.abort(grpc.StatusCode.ABORTED, error)
+        return reply
+
+    def _record(self, update_id: str, reply: pb.FinishUpdateReply | None, error: str = "") -> None:
+        self.finished[update_id] = (reply, error)
+        while len(self.finished) > 64:
+            self.finished.popitem(last=False)
+
+    async def _finish(self, u: _Update, req: pb.FinishUpdateRequest) -> pb.FinishUpdateReply:
         try:
             while len(u.done) < u.world and not u.error:
                 left = u.deadline - time.monotonic()
@@ -175,44 +264,56 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             verify_s = time.perf_counter() - t0
             u.phase = "COMMIT"
             await self.hub.call_all(max(1.0, u.deadline - time.monotonic()), commit=wpb.Commit(update_id=u.id, version=u.version))
-        except (WorkerError, LayoutError) as e:
-            await self._abort(u, str(e))
-            await context.abort(grpc.StatusCode.ABORTED, f"update {_v(u.version)} failed: {e}")
+        except Exception as e:  # noqa: BLE001 - every failure is recorded for the callers
+            if not isinstance(e, (WorkerError, LayoutError)):
+                log.exception("update %s: unexpected error while finishing", _v(u.version))
+            await self._abort(u, str(e), finishing=True)
+            self._record(u.id, None, f"update {_v(u.version)} failed: {e}")
+            raise _Failed(str(e)) from None
         u.phase = "DONE"
         self.committed = u.version
         self._not_serving = False
         for w in self.hub.alive():
-            w.version = u.version
-        nbytes = sum(d.bytes for d in u.done.values())
+            w.version, w.allowed = u.version, True  # a commit ends every rank's hold
+        self._reconcile()
+        nbytes = u.bytes_total  # the payload, each destination byte once (a relaying rank also sends: not counted again)
         during = sum(w.requests_served for w in self.hub.alive()) - u.requests_at_start
         self.history.append(pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes,
                                             verified=True, verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during),
-                                            tensors=u.tensors))
+                                            tensors=u.tensors, update_id=u.id))
         self.history = self.history[-100:]
         log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
-        return pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during))
+        reply = pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during))
+        self._record(u.id, reply)
+        return reply
 
     async def AbortUpdate(self, req: pb.AbortUpdateRequest, context):
         u = self.update
-        if u is not None and u.id == req.update_id and u.phase not in ("DONE", "ABORT"):
+        if u is not None and u.id == req.update_id and u.phase in FINISHING:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"update {req.update_id} is in {u.phase}: it ends by itself (committed on every rank, or aborted)")
+        if u is not None and u.id == req.update_id and u.phase not in TERMINAL:
             await self._abort(u, req.reason or "aborted by the trainer")
         return pb.AbortUpdateReply()
 
     async def expire(self) -> None:
         """Abort an update whose deadline passed without the trainer finishing or aborting it."""
         u = self.update
-        if u is not None and u.phase not in ("DONE", "ABORT") and time.monotonic() > u.deadline + self.deadlines.rpc_s:
+        if (u is not None and u.phase not in TERMINAL and u.finish is None
+                and time.monotonic() > u.deadline + self.deadlines.rpc_s):
             await self._abort(u, "update deadline passed without FinishUpdate (trainer gone?)")
 
     async def _fail(self, u: _Update, error: str) -> None:
         u.phase, u.error = "ABORT", u.error or error
         self.last_error = error
-        self.history.append(pb.UpdateRecord(version=u.version, ok=False, error=error, mode=u.mode, seconds=time.monotonic() - u.started))
+        self.history.append(pb.UpdateRecord(version=u.version, ok=False, error=error, mode=u.mode, seconds=time.monotonic() - u.started,
+                                            update_id=u.id))
         self.history = self.history[-100:]
         log.error("update %s failed: %s", _v(u.version), error)
 
-    async def _abort(self, u: _Update, reason: str) -> None:
-        if u.phase in ("DONE", "ABORT"):
+    async def _abort(self, u: _Update, reason: str, finishing: bool = False) -> None:
+        """Abort `u` on every worker. Once FinishUpdate owns it (VERIFY, COMMIT), only FinishUpdate may."""
+        if u.phase in TERMINAL or (u.phase in FINISHING and not finishing):
             return
         in_flight = u.phase in ("TRANSFER", "VERIFY", "COMMIT")
         self.hub.send_all(abort=wpb.Abort(update_id=u.id, reason=reason))
@@ -223,7 +324,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     inplace = False
 
     async def GetStatus(self, request, context):
-        st = pb.Status(role="inference", model=self.model, serving_state=self.serving_state(), last_error=self.last_error)
+        st = pb.Status(role="inference", model=self.model, serving_state=self.serving_state(), last_error=self.last_error,
+                       needs_repair=self.needs_repair())
         v = self.served_version()
         if v is not None:
             st.version.CopyFrom(v)
@@ -231,7 +333,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         u = self.update
         if u is not None:
             st.update_in_progress = u.phase not in ("DONE", "ABORT")
-            st.progress.CopyFrom(pb.UpdateProgress(phase=u.phase, bytes_done=sum(u.progress.values()), bytes_total=u.bytes_total, version=u.version))
+            st.progress.CopyFrom(pb.UpdateProgress(phase=u.phase, bytes_done=sum(u.progress.values()), bytes_total=u.bytes_total,
+                                                   version=u.version, update_id=u.id))
         for r in range(self.hub.world):
             w = self.hub.workers.get(r)
             state, detail = self.hub.worker_state(r)
@@ -243,6 +346,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 if w.version is not None:
                     h.version.CopyFrom(w.version)
                     h.has_version = True
+                if w.alive and w.held:
+                    h.state = "HELD"
+                    h.detail = h.detail or (f"not serving: holds {_v(w.version)}, the deployment {_v(self.committed)}"
+                                            if self.committed is not None else "not serving: waiting for every rank to attach")
             st.workers.append(h)
         st.requests_served = sum(w.requests_served for w in self.hub.workers.values())
         st.requests_during_updates = sum(w.requests_during_update for w in self.hub.workers.values())
@@ -271,11 +378,13 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             sources = [w for w in sources if w.rank == req.rank]
             if not sources:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"inference worker rank {req.rank} is not attached")
+        errors = []
         for w in sources:
             try:
                 pieces = await self.hub.read(w, req.tensor, self.deadlines.rpc_s)
             except WorkerError as e:
                 log.warning("dump: %s", e)
+                errors.append(str(e))
                 continue
             boxes: dict[tuple, bytearray] = {}
             for p in pieces:
@@ -292,7 +401,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if not bool(covered.all()):
             missing = int((~covered).sum())
             who = f"worker rank {req.rank}" if req.HasField("rank") else "any live worker"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor {req.tensor!r}: {missing} elements are not held by {who}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor {req.tensor!r}: {missing} elements are not held by {who}"
+                                + (f" ({'; '.join(errors)})" if errors else ""))
         data = full.view(-1).view(torch.uint8).numpy().tobytes()
         for off in range(0, len(data), DUMP_CHUNK):
             chunk = pb.DumpChunk(name=req.tensor, shape=list(spec.shape), dtype=spec.dtype, offset=off,

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RESHARD_FAULT_RANK", "") == str(a.rank):
         fault = {"slow_after": float(os.environ.get("RESHARD_FAULT_SLOW_AFTER", "-1")),
                  "slow_seconds": float(os.environ.get("RESHARD_FAULT_SLOW_SECONDS", "0")),
-                 "once": os.environ.get("RESHARD_FAULT_ONCE", "") == "1"}
+                 "once": os.environ.get("RESHARD_FAULT_ONCE", "") == "1",
+                 "commit_seconds": float(os.environ.get("RESHARD_FAULT_COMMIT_SECONDS", "0"))}
     try:
         worker_device(a.device, a.rank)
     except ValueError as e:

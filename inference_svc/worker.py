@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -26,6 +27,7 @@ from reshard.proto import worker_pb2 as wpb
 log = logging.getLogger("reshard.inference")
 
 READ_CHUNK = 1 << 20
+READ_LOCK_TIMEOUT = 5.0
 
 
 class InferenceWorker(WorkerBase):
@@ -46,7 +48,11 @@ class InferenceWorker(WorkerBase):
         # Allocated once, reused by every update.
         self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if mode == "shadow" else None
         self._serving = threading.Lock()
-        self.serving_ok = True
+        self._committed = threading.Condition()
+        self.serving_ok = True  # False after an in-place update failed midway: the weights are torn
+        # Held until the controller has seen this rank's version: a rank serves only its deployment's
+        # committed version (one restarted with its checkpoint beside peers at step N must not).
+        self.held = True
         self.updating = False
         self._dst: Layout | None = None
 
@@ -55,7 +61,33 @@ class InferenceWorker(WorkerBase):
         """Hold around one engine step: COMMIT waits for the step boundary. Yields the live version
         (None while NOT_SERVING)."""
         with self._serving:
-            yield self.version if self.serving_ok else None
+            yield self.version if self.serving_ok and not self.held else None
+
+    def wait_for_version(self, step: int, run: str | None = None, timeout: float | None = None) -> pb.Version | None:
+        """Block until this rank serves version (run, step) or a newer step of that run (any run when
+        `run` is None); returns the version served, or None at the timeout."""
+        def ready() -> bool:
+            v = self.version
+            return self.serving_ok and not self.held and v is not None and (run is None or v.run == run) and v.step >= step
+
+        with self._committed:
+            if not self._committed.wait_for(ready, timeout):
+                return None
+            return self.version
+
+    async def _on_serve(self, s: wpb.Serve, cid: int) -> None:
+        with self._committed:
+            if self.held == s.allow:
+                log.log(logging.INFO if s.allow else logging.WARNING, "inference worker %d: %s (%s)", self.rank,
+                        "serving" if s.allow else "held: not serving", s.reason)
+            self.held = not s.allow
+            self._committed.notify_all()
+        self.emit(self._heartbeat())
+
+    def _heartbeat(self) -> wpb.WorkerMessage:
+        msg = super()._heartbeat()
+        msg.heartbeat.held = self.held
+        return msg
 
     def record_request(self, version: pb.Version) -> None:
         """Count one request served with `version` (reported per version in status)."""
@@ -124,6 +156,8 @@ class InferenceWorker(WorkerBase):
         if self.mode == "shadow":
             self._pause()
         try:
+            if self.fault.get("commit_seconds"):  # test hook: a commit that takes a while
+                time.sleep(self.fault["commit_seconds"])
             if self.shadow is not None:
                 for n, t in self.live.items():
                     t.copy_(self.shadow[n])
@@ -131,8 +165,11 @@ class InferenceWorker(WorkerBase):
                     torch.cuda.current_stream(self.device).synchronize()
             for hook in self.commit_hooks:
                 hook(version)
-            self.version = pb.Version(run=version.run, step=version.step)
-            self.serving_ok = True
+            with self._committed:
+                self.version = pb.Version(run=version.run, step=version.step)
+                self.serving_ok = True
+                self.held = False  # every rank of the deployment commits this version
+                self._committed.notify_all()
         finally:
             self.updating = False
             self._resume()
@@ -141,7 +178,19 @@ class InferenceWorker(WorkerBase):
     async def _on_read(self, r: wpb.Read, cid: int) -> dict:
         if r.tensor not in self.tensors:
             return {}
-        with self._serving:
+        # Off the loop: the serving lock may be held (an engine step, a commit, an in-place transfer),
+        # and the loop must keep answering meanwhile.
+        await asyncio.get_running_loop().run_in_executor(None, self._read, r, cid)
+        return {}
+
+    def _read(self, r: wpb.Read, cid: int) -> None:
+        if self.updating and self.mode == "inplace":
+            raise RuntimeError(f"inference rank {self.rank} is receiving an update in place: its weights are being "
+                               "overwritten and cannot be read back until the update ends")
+        if not self._serving.acquire(timeout=READ_LOCK_TIMEOUT):
+            raise RuntimeError(f"inference rank {self.rank}: the engine held its weights for {READ_LOCK_TIMEOUT:.0f}s; "
+                               "read back later")
+        try:
             version = self.version
             seen = set()  # a tied tensor is held by two buffers: send each box once
             for name, desc in self.descs.items():
@@ -156,4 +205,5 @@ class InferenceWorker(WorkerBase):
                         if version is not None:
                             piece.version.CopyFrom(version)
                         self.emit(wpb.WorkerMessage(piece=piece))
-        return {}
+        finally:
+            self._serving.release()

@@ -53,19 +53,21 @@ class WorkerHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., memory: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class UpdateProgress(_message.Message):
-    __slots__ = ("phase", "bytes_done", "bytes_total", "version")
+    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "update_id")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     phase: str
     bytes_done: int
     bytes_total: int
     version: Version
-    def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ...) -> None: ...
+    update_id: str
+    def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class UpdateRecord(_message.Message):
     REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     version: Version
     ok: bool
     seconds: float
@@ -90,14 +93,15 @@ class UpdateRecord(_message.Message):
     requests_during: int
     tensors: int
     deployment: str
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ...) -> None: ...
+    update_id: str
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint", "deployments")
+    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint", "deployments", "needs_repair")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +118,7 @@ class Status(_message.Message):
     HAS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_REPAIR_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     version: Version
@@ -130,7 +135,8 @@ class Status(_message.Message):
     has_committed: bool
     layout_fingerprint: str
     deployments: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
+    needs_repair: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ..., needs_repair: _Optional[bool] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
     __slots__ = ("address", "committed", "has_committed", "last_error", "phase", "backend")
@@ -205,18 +211,20 @@ class GetLayoutRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LayoutReply(_message.Message):
-    __slots__ = ("model", "layout", "fingerprint", "workers", "devices")
+    __slots__ = ("model", "layout", "fingerprint", "workers", "devices", "membership")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout: bytes
     fingerprint: str
     workers: int
     devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    membership: str
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id")

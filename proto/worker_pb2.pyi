@@ -89,6 +89,12 @@ class Step(_message.Message):
     version: _reshard_pb2.Version
     def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
+class Release(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: _reshard_pb2.Version
+    def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
+
 class NcclUniqueId(_message.Message):
     __slots__ = ("session",)
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -131,8 +137,16 @@ class CudaIpcHandles(_message.Message):
     handles: _containers.RepeatedCompositeFieldContainer[CudaIpcHandle]
     def __init__(self, handles: _Optional[_Iterable[_Union[CudaIpcHandle, _Mapping]]] = ...) -> None: ...
 
+class Serve(_message.Message):
+    __slots__ = ("allow", "reason")
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    allow: bool
+    reason: str
+    def __init__(self, allow: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ControllerMessage(_message.Message):
-    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step", "nccl_unique_id")
+    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step", "nccl_unique_id", "release", "serve")
     ID_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +155,8 @@ class ControllerMessage(_message.Message):
     READ_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SERVE_FIELD_NUMBER: _ClassVar[int]
     id: int
     prepare: Prepare
     verify: Verify
@@ -149,7 +165,9 @@ class ControllerMessage(_message.Message):
     read: Read
     step: Step
     nccl_unique_id: NcclUniqueId
-    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., nccl_unique_id: _Optional[_Union[NcclUniqueId, _Mapping]] = ...) -> None: ...
+    release: Release
+    serve: Serve
+    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., nccl_unique_id: _Optional[_Union[NcclUniqueId, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ...) -> None: ...
 
 class Reply(_message.Message):
     __slots__ = ("id", "ok", "error", "seconds", "bytes_total", "nccl_unique_id")
@@ -229,7 +247,7 @@ class Published(_message.Message):
     def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("requests_served", "version", "has_version", "requests_during_update", "requests_by_version")
+    __slots__ = ("requests_served", "version", "has_version", "requests_during_update", "requests_by_version", "held")
     class RequestsByVersionEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,12 +260,14 @@ class Heartbeat(_message.Message):
     HAS_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DURING_UPDATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_BY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     requests_served: int
     version: _reshard_pb2.Version
     has_version: bool
     requests_during_update: int
     requests_by_version: _containers.ScalarMap[str, int]
-    def __init__(self, requests_served: _Optional[int] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., requests_during_update: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    held: bool
+    def __init__(self, requests_served: _Optional[int] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., requests_during_update: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "reply", "piece", "progress", "done", "published", "heartbeat")

@@ -51,6 +51,7 @@ class Deployment:
         self.committed: pb.Version | None = None
         self.last_error = ""
         self.phase = "IDLE"
+        self.repair = False  # a rank there lost the committed version: push it again even though committed
 
     def status(self) -> pb.DeploymentStatus:
         st = pb.DeploymentStatus(address=self.address, last_error=self.last_error, phase=self.phase, backend=self.backend)
@@ -75,6 +76,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.store = TCPStore(store_host, 0, None, True, timeout=datetime.timedelta(seconds=deadlines.update_s), wait_for_workers=False)
         self.store_host = store_host
         hub.on_event = self._on_event
+        hub.default_run = run
         hub.on_disconnect = self._on_disconnect
         self.published: pb.Version | None = None
         self.target_step = 0
@@ -103,6 +105,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     def _on_event(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "published":
+            msg.published.version.CopyFrom(self.hub.own(msg.published.version))  # a worker made without run=
             conn.version = msg.published.version
             versions = {_v(w.version) for w in self.hub.alive()}
             if self.hub.complete() and len(versions) == 1:
@@ -225,6 +228,35 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         return st
 
     # -- the update loop ---------------------------------------------------------------
+    async def watch(self, every: float = 1.0) -> None:
+        """Repair: when a deployment has a rank that does not hold its committed version (a worker
+        restarted with its checkpoint, held and not serving), push that version again at once, if
+        this trainer still holds it (standalone workers keep their weights until the next step;
+        embedded trainers may have written theirs since, so such a deployment heals at the next publish)."""
+        warned: set[str] = set()
+        while True:
+            await asyncio.sleep(every)
+            if self.requested is not None or self.phase not in ("IDLE", "DONE", "ABORT"):
+                continue
+            for d in list(self.deployments.values()):
+                try:
+                    st = await d.stub.GetStatus(pb.StatusRequest(), timeout=self.deadlines.rpc_s)
+                except grpc.aio.AioRpcError:
+                    continue
+                if not st.needs_repair or any(w.state not in ("READY", "HELD") for w in st.workers):
+                    continue
+                v = self.published
+                if v is None or self.auto_push:
+                    if d.address not in warned:
+                        warned.add(d.address)
+                        log.warning("deployment %s has ranks that do not hold its version; it is repaired by the next "
+                                    "published version", d.address)
+                    continue
+                warned.discard(d.address)
+                log.warning("deployment %s has ranks that do not hold its version: pushing %s to it again", d.address, _v(v))
+                d.repair = True
+                self._request(v, "reshard")
+
     async def runner(self) -> None:
         """The update loop; an unexpected error is logged and the loop goes on."""
         while True:
@@ -235,7 +267,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             version, mode, take_step, patterns = self.requested
             self.requested = None
             c = self.committed
-            if c is not None and c.run == version.run and c.step >= version.step:
+            if c is not None and c.run == version.run and c.step >= version.step and not any(
+                    d.repair for d in self.deployments.values()):
                 continue  # already there
             try:
                 out = await self._one_request(version, mode, take_step, patterns)
@@ -245,6 +278,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 log.exception("update loop error")
                 self.phase, self.last_error = "ABORT", f"update {_v(version)}: internal error: {e!r}"
                 out = pb.UpdateOutcome(ok=False, error=self.last_error, record=pb.UpdateRecord(version=version, ok=False, error=self.last_error))
+            finally:
+                # Every deployment has this version now, or failed and will get a newer one: the
+                # trainer may write its weights again (never earlier: a later deployment still reads them).
+                self.hub.send_all(release=wpb.Release(version=version))
             self.outcomes[_v(version)] = out
             if len(self.outcomes) > 1000:
                 self.outcomes.pop(next(iter(self.outcomes)))
@@ -282,22 +319,37 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             msg = "no inference deployment is attached (reshard attach, or trainer --inference)"
             self.last_error = f"update {_v(version)}: {msg}"
             return pb.UpdateOutcome(ok=False, error=msg, record=pb.UpdateRecord(version=version, ok=False, error=msg))
-        outs = []
-        for d in list(self.deployments.values()):
+        outs: list[tuple[Deployment, pb.UpdateOutcome]] = []  # each outcome with the deployment it belongs to
+        targets = list(self.deployments.values())  # attach or detach during the update changes the next one
+        for d in targets:
             c = d.committed
-            if c is not None and c.run == version.run and c.step >= version.step:
-                outs.append(pb.UpdateOutcome(ok=True, committed=c, record=pb.UpdateRecord(version=c, ok=True, deployment=d.address)))
+            if c is not None and c.run == version.run and c.step >= version.step and not (d.repair and c.step == version.step):
+                outs.append((d, pb.UpdateOutcome(ok=True, committed=c, record=pb.UpdateRecord(version=c, ok=True, deployment=d.address))))
                 continue
-            outs.append(await self._update_one(d, version, mode, patterns))
-        failed = [(d, o) for d, o in zip(self.deployments.values(), outs) if not o.ok]
-        out = pb.UpdateOutcome(ok=not failed, record=outs[-1].record)
+            outs.append((d, await self._update_one(d, version, mode, patterns)))
+        failed = [(d, o) for d, o in outs if not o.ok]
+        out = pb.UpdateOutcome(ok=not failed, record=outs[-1][1].record)
         if failed:
-            out.error = "; ".join(f"{d.address}: {o.error}" for d, o in failed) if len(self.deployments) > 1 else failed[0][1].error
+            out.error = "; ".join(f"{d.address}: {o.error}" for d, o in failed) if len(targets) > 1 else failed[0][1].error
             out.record.CopyFrom(failed[0][1].record)
         else:
             out.committed.CopyFrom(version)
-        out.deployments.extend(d.status() for d in self.deployments.values())
+        out.deployments.extend(d.status() for d, _ in outs)
         return out
+
+    async def _finish_update(self, d: Deployment, req: pb.FinishUpdateRequest, deadline: float) -> pb.FinishUpdateReply:
+        """FinishUpdate, retried while the inference controller cannot be reached: it verifies and
+        commits once and answers a retry with that outcome."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await d.stub.FinishUpdate(req, timeout=max(1.0, left + 5))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > 1.0:
+                    log.warning("FinishUpdate on %s: %s; retrying", d.address, status_error(e))
+                    await asyncio.sleep(0.5)
+                    continue
+                raise UpdateFailed(e.details()) from None  # inference aborted it itself, or the deadline passed
 
     async def _update_one(self, d: Deployment, version: pb.Version, mode: str, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
         t0 = time.monotonic()
@@ -306,7 +358,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._update_id = uid = uuid.uuid4().hex[:12]
         self._done, self.progress_done, self.progress_total = {}, {}, 0
         began = False
-        record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address)
+        record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address, update_id=uid)
         try:
             # NEGOTIATE
             self.phase = d.phase = "NEGOTIATE"
@@ -341,7 +393,9 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 raise UpdateFailed(f"{e}; nothing transferred") from None
             # CONNECT: reuse the session while membership is unchanged.
             self.phase = d.phase = "CONNECT"
-            key = (lr.fingerprint, src.fingerprint(), self.hub.generation, backend)
+            # Inference membership too: a worker restarted there must not be handed a session its
+            # peers cached with the dead process.
+            key = (lr.fingerprint, lr.membership, src.fingerprint(), self.hub.generation, backend)
             if d.session is None or d.session[1] != key:
                 sid, nccl_id = uuid.uuid4().hex[:12], b""
                 if backend == "nccl":  # a fresh id per session (so per retry): trainer worker 0 hosts its root
@@ -395,14 +449,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             req = pb.FinishUpdateRequest(update_id=uid)
             for (r, b, i), v in sorted(plan.expected_checksums(expected).items()):
                 req.expected.add(rank=r, buffer=b, piece=i, value=v)
-            left = deadline - time.monotonic()
-            try:
-                rep = await d.stub.FinishUpdate(req, timeout=max(1.0, left + 5))
-            except grpc.aio.AioRpcError as e:
-                began = False  # inference aborted it itself
-                raise UpdateFailed(e.details()) from None
+            began = False  # from here inference owns the outcome: it commits on every rank or aborts itself
+            rep = await self._finish_update(d, req, deadline)
             self.phase = d.phase = "DONE"
-            d.committed = rep.committed
+            d.committed, d.repair = rep.committed, False
             d.last_error = ""
             record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
             record.bytes, record.requests_during = rep.bytes, rep.requests_during
@@ -418,7 +468,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             d.last_error = msg
             log.error("update %s failed: %s", _v(version), msg)
             self.hub.send_all(abort=wpb.Abort(update_id=uid, reason=msg))
-            d.session = None
+            d.session, d.repair = None, False
             if began:
                 try:
                     await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg), timeout=self.deadlines.rpc_s)
@@ -453,7 +503,7 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
         pb.DESCRIPTOR.services_by_name["TrainerService"].full_name, stop,
         lambda addr: f"trainer_svc listening on {addr} (run {run}, model {model}, {workers} workers, "
                      f"inference {', '.join(inference) or 'none'})",
-        command if spawn_workers else None, (ctl.runner(),))
+        command if spawn_workers else None, (ctl.runner(), ctl.watch()))
 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,

@@ -7,9 +7,12 @@
     handle.wait()                     # before writing the weights again
 
 With `snapshot=True` the weights are copied at publish time (memory permitting)
-and the handle is writable at once; otherwise it becomes writable when this
-rank's transfer of that version has read them (or the update failed). The stall
-is measured (`handle.stall_seconds`)."""
+and the handle is writable at once; otherwise it becomes writable when the
+controller is done with that version: every attached deployment has received it
+(or failed and will get a newer one). The stall is measured (`handle.stall_seconds`).
+
+`run` names the training run (versions are (run, step)); left empty, the
+controller's run (`reshard trainer --run`) is used."""
 
 from __future__ import annotations
 
@@ -65,7 +68,12 @@ class TrainerWorker(WorkerBase):
         self._lock = threading.Lock()
 
     def publish(self, step: int, run: str | None = None) -> PublishHandle:
-        """Publish the current weights as version (run, step); call on every rank."""
+        """Publish the current weights as version (run, step); call on every rank. May be called
+        right after `start()`: the message waits until the worker is connected."""
+        if self._stopping:
+            raise RuntimeError(f"trainer worker {self.rank} is stopped: publish() needs a started worker")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, not {step}")
         version = pb.Version(run=run or self.run_id, step=step)
         if self.snapshot is not None:
             for n, t in self.live.items():
@@ -95,11 +103,10 @@ class TrainerWorker(WorkerBase):
                     keep.append(h)
             self._handles = keep
 
-    async def _transfer(self, p, plan, src, dst) -> None:
-        try:
-            await super()._transfer(p, plan, src, dst)
-        finally:
-            self._release_upto(p.version.step)
+    async def _on_release(self, r: wpb.Release, cid: int) -> None:
+        """The controller is done with every version up to r.version on every deployment."""
+        self._release_upto(r.version.step)
 
-    def on_abort(self, update_id: str) -> None:
-        self._release_upto(None)
+    def stop(self) -> None:
+        super().stop()
+        self._release_upto(None)  # nothing reads the weights any more

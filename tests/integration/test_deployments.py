@@ -2,14 +2,19 @@
 with its own session: a deployment that dies does not stop the other from updating."""
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
+
+from reshard.common.frameworks import build
+from reshard.common.layout import dtype_of
 
 from .cluster import Cluster, cli, free_port
 
@@ -33,6 +38,10 @@ def test_two_deployments_with_relays():
                           "--layout", "framework=vllm,tp=2,dp=2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
     try:
+        t0 = time.monotonic()
+        while '"SERVING"' not in cli("status", "--inference", b_addr, "--json").stdout:  # B's workers are up
+            assert time.monotonic() - t0 < 90, "deployment B never served"
+            time.sleep(0.5)
         r = cli("attach", "--trainer", c.tr, "--inference", b_addr, check=True)
         assert b_addr in r.stdout
         rc, out, err = c.update()
@@ -44,6 +53,12 @@ def test_two_deployments_with_relays():
                 assert version["step"] == step and torch.equal(got, c.expected(name, step)), (addr, name)
         st = json.loads(cli("status", "--trainer", c.tr, "--json", check=True).stdout)
         assert {d["address"] for d in st["deployments"]} == {c.inf, b_addr}
+        # An update's bytes are the payload, each destination byte once, though B's replicas relay.
+        layout = build("small", "framework=vllm,tp=2,dp=2")
+        payload = sum(math.prod(p.box.size) * dtype_of(layout.tensors[p.tensor].dtype).itemsize
+                      for bufs in layout.ranks for b in bufs for p in b.pieces)
+        record = json.loads(cli("status", "--inference", b_addr, "--json", check=True).stdout)["history"][-1]
+        assert int(record["bytes"]) == payload, (record, payload)
         assert all(int(d["committed"]["step"]) == step for d in st["deployments"])
         # Deployment B dies: the update fails there, and still reaches A.
         os.killpg(b.pid, signal.SIGKILL)
