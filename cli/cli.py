@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     def deadlines(p):
         p.add_argument("--rpc-timeout", type=_positive, default=10.0, help="deadline of control-plane calls, seconds")
         p.add_argument("--update-timeout", type=_positive, default=120.0, help="deadline of one whole update, seconds")
+        p.add_argument("--worker-timeout", type=_positive, default=5.0,
+                       help="a worker silent this long (frozen) fails the update in flight, seconds")
 
     models = sorted(MODELS)
     model_help = (f"standalone workers' model: {', '.join(models)} (default {DEFAULT_MODEL}); "
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(e, file=sys.stderr)
             return 2
-        dl = Deadlines(rpc_s=a.rpc_timeout, update_s=a.update_timeout)
+        dl = Deadlines(rpc_s=a.rpc_timeout, update_s=a.update_timeout, worker_s=a.worker_timeout)
         if a.command == "inference":
             from reshard.inference_svc.service import main as inf_main
 

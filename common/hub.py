@@ -42,6 +42,7 @@ class WorkerConn:
     requests_during_update: int = 0
     requests_by_version: dict[str, int] = dataclasses.field(default_factory=dict)
     version: pb.Version | None = None
+    stale: bool = False  # silent for longer than the hub's worker timeout (frozen?)
     held: bool = True  # inference: not serving requests (it says so in every heartbeat)
     allowed: bool | None = None  # inference: what its controller last told it (serve or hold)
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
@@ -70,6 +71,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.on_event: Callable[[WorkerConn, wpb.WorkerMessage], None] | None = None
         self.on_disconnect: Callable[[WorkerConn], None] | None = None
         self.on_attach: Callable[[WorkerConn], None] | None = None
+        self.on_stale: Callable[[WorkerConn], None] | None = None
         self.generation = 0  # bumps whenever membership changes
         self.stopping = False
         self.supervisor = None  # common.supervisor.Supervisor, when this controller runs standalone workers
@@ -93,7 +95,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         """(state, detail) of a rank for status: READY, or DEAD/STARTING/RESTARTING/FAILED and why."""
         w = self.workers.get(rank)
         if w is not None and w.alive:
-            return "READY", ""
+            return ("UNRESPONSIVE", f"silent for {time.monotonic() - w.last_seen:.1f}s") if w.stale else ("READY", "")
         if self.supervisor is not None:
             st = self.supervisor.state(rank)
             state = "STARTING" if st == "RUNNING" else ("DEAD" if st == "STOPPED" else st)
@@ -125,6 +127,9 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             try:
                 async for msg in request_iterator:
                     conn.last_seen = time.monotonic()
+                    if conn.stale:
+                        conn.stale = False
+                        log.warning("%s worker rank %d (pid %d) answers again", self.role, conn.rank, conn.pid)
                     self._dispatch(conn, msg)
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 pass
@@ -180,6 +185,24 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             conn.held = msg.heartbeat.held
         elif self.on_event:
             self.on_event(conn, msg)
+
+    async def watch_stale(self, after: float) -> None:
+        """Flag workers that sent nothing (heartbeats come every 0.5 s) for `after` seconds: a frozen
+        process keeps its stream open, so only its silence tells."""
+        while True:
+            await asyncio.sleep(min(0.25, after / 4))
+            now = time.monotonic()
+            for w in self.alive():
+                if not w.stale and now - w.last_seen > after:
+                    w.stale = True
+                    log.warning("%s worker rank %d (pid %d) has been silent for %.1fs", self.role, w.rank, w.pid, now - w.last_seen)
+                    if self.on_stale:
+                        self.on_stale(w)
+
+    def stale_error(self) -> str:
+        stale = [w for w in self.alive() if w.stale]
+        return ", ".join(f"{self.role} worker rank {w.rank} (pid {w.pid}) stopped answering "
+                         f"(silent for {time.monotonic() - w.last_seen:.1f}s)" for w in stale)
 
     # -- commands --------------------------------------------------------------------
     def alive(self) -> list[WorkerConn]:
@@ -272,7 +295,7 @@ def local_host(listen: str) -> str:
 
 async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: str, stop: asyncio.Event,
                            banner: Callable[[str], str], command: Callable[[str, int], list[str]] | None,
-                           background: tuple = ()) -> int:
+                           background: tuple = (), worker_timeout: float = 5.0) -> int:
     """Run a controller until `stop`: its gRPC service and the worker stream on one server (with
     health and reflection), its background coroutines, and (when `command` is given) standalone
     workers as supervised processes. Shutdown: health NOT_SERVING, workers stopped, server drained."""
@@ -290,7 +313,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     print(banner(addr), file=sys.stderr, flush=True)
     log.info("%s", banner(addr))
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(coro) for coro in background]
+    tasks = [loop.create_task(coro) for coro in (*background, hub.watch_stale(worker_timeout))]
     sup = Supervisor(hub.role, hub.world, lambda rank: command(addr, rank)) if command else None
     hub.supervisor = sup
     if sup:

@@ -36,9 +36,11 @@ class Deadlines:
     """Deadline of ordinary control-plane calls."""
     update_s: float = 120.0
     """Deadline of one whole update (NEGOTIATE to COMMIT); the data plane's timeout never exceeds it."""
+    worker_s: float = 5.0
+    """A worker silent this long (no heartbeat: frozen, or its host stalled) fails the update in flight."""
 
     def __post_init__(self) -> None:
-        if self.rpc_s <= 0 or self.update_s <= 0:
+        if self.rpc_s <= 0 or self.update_s <= 0 or self.worker_s <= 0:
             raise ValueError("deadlines must be positive seconds")
 
 

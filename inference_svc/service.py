@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import sys
 import time
 import uuid
 
@@ -63,6 +62,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
         hub.on_attach = lambda conn: self._reconcile()
+        hub.on_stale = self._on_stale
         self.update: _Update | None = None
         self.committed: pb.Version | None = None
         self.history: list[pb.UpdateRecord] = []
@@ -100,6 +100,19 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             u.changed.set()
         self._reconcile()
 
+    def _on_stale(self, conn: WorkerConn) -> None:
+        """A frozen worker fails the update in flight at once: the abort breaks every rank's data plane,
+        so the trainer's ranks (blocked sending to it) fail too, long before the deadline."""
+        u = self.update
+        if u is not None and u.phase not in TERMINAL:
+            why = f"inference worker rank {conn.rank} (pid {conn.pid}) stopped answering during the update"
+            u.error = u.error or why
+            u.changed.set()
+            if u.finish is None:  # once FinishUpdate runs, it aborts on u.error itself
+                task = asyncio.get_running_loop().create_task(self._abort(u, why))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
     def _reconcile(self) -> None:
         """A rank serves only the deployment's committed version: hold the others until an update
         (or a repair) brings them to it. A restarted controller first learns that version from its
@@ -131,7 +144,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         alive = self.hub.alive()
         if self._not_serving or not alive or all(w.held for w in alive):
             return "NOT_SERVING"
-        if len(alive) < self.hub.world or any(w.held for w in alive) or self.needs_repair():
+        if len(alive) < self.hub.world or any(w.held or w.stale for w in alive) or self.needs_repair():
             return "DEGRADED"
         return "SERVING"
 
@@ -433,7 +446,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
         listen, hub, lambda server: rgrpc.add_InferenceServiceServicer_to_server(ctl, server),
         pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, stop,
         lambda addr: f"inference_svc listening on {addr} (model {model}, {workers} workers, {mode} mode)",
-        command if spawn_workers else None, (watchdog(),))
+        command if spawn_workers else None, (watchdog(),), worker_timeout=deadlines.worker_s)
 
 
 def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True,

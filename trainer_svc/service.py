@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import sys
 import time
 import uuid
 
@@ -78,6 +77,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         hub.on_event = self._on_event
         hub.default_run = run
         hub.on_disconnect = self._on_disconnect
+        hub.on_stale = self._on_disconnect
         self.published: pb.Version | None = None
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
@@ -337,6 +337,16 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         out.deployments.extend(d.status() for d, _ in outs)
         return out
 
+    async def _check_inference(self, d: Deployment, uid: str) -> None:
+        """Fail the transfer at once when the inference side has aborted the update: our ranks may
+        be blocked sending to a frozen one of its ranks, which no error of ours would reveal."""
+        try:
+            st = await d.stub.GetStatus(pb.StatusRequest(), timeout=min(2.0, self.deadlines.rpc_s))
+        except grpc.aio.AioRpcError:
+            return  # unreachable for a moment: the deadline still bounds the wait
+        if st.progress.update_id == uid and st.progress.phase == "ABORT":
+            raise UpdateFailed(f"inference aborted the update: {st.last_error}")
+
     async def _finish_update(self, d: Deployment, req: pb.FinishUpdateRequest, deadline: float) -> pb.FinishUpdateReply:
         """FinishUpdate, retried while the inference controller cannot be reached: it verifies and
         commits once and answers a retry with that outcome."""
@@ -427,14 +437,16 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
                 if not self.hub.complete():
                     raise UpdateFailed("a trainer worker died during the transfer")
+                if stale := self.hub.stale_error():
+                    raise UpdateFailed(f"during the transfer, {stale}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise UpdateFailed(f"update deadline ({self.deadlines.update_s:.0f}s) passed during the transfer")
                 self._done_event.clear()
                 try:
-                    await asyncio.wait_for(self._done_event.wait(), left)
+                    await asyncio.wait_for(self._done_event.wait(), min(left, 1.0))
                 except asyncio.TimeoutError:
-                    pass
+                    await self._check_inference(d, uid)  # it may have aborted (a frozen rank of its own)
             failed = [td for td in self._done.values() if not td.ok]
             if failed:
                 raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
@@ -503,7 +515,7 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
         pb.DESCRIPTOR.services_by_name["TrainerService"].full_name, stop,
         lambda addr: f"trainer_svc listening on {addr} (run {run}, model {model}, {workers} workers, "
                      f"inference {', '.join(inference) or 'none'})",
-        command if spawn_workers else None, (ctl.runner(), ctl.watch()))
+        command if spawn_workers else None, (ctl.runner(), ctl.watch()), worker_timeout=deadlines.worker_s)
 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,

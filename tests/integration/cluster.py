@@ -25,6 +25,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dump_rpc(addr: str, name: str, rank: int | None = None) -> tuple[torch.Tensor, dict]:
+    """A tensor read back through the inference controller's Dump RPC, in this process (what
+    `reshard dump` calls, without starting a process that imports torch for every tensor)."""
+    import grpc
+
+    from reshard.common.layout import dtype_of
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+
+    data, first = bytearray(), None
+    req = pb.DumpRequest(tensor=name) if rank is None else pb.DumpRequest(tensor=name, rank=rank)
+    with grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        try:
+            for chunk in rgrpc.InferenceServiceStub(ch).Dump(req, timeout=60):
+                first = first or chunk
+                assert chunk.offset == len(data)
+                data += chunk.data
+        except grpc.RpcError as e:
+            raise AssertionError(f"dump {name} from {addr}: {e.code().name}: {e.details()}") from None
+    t = torch.frombuffer(data, dtype=dtype_of(first.dtype)).view(list(first.shape)).clone()
+    return t, {"run": first.version.run, "step": first.version.step}
+
+
 def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
@@ -114,13 +137,7 @@ class Cluster:
         return r.returncode, out, r.stderr
 
     def dump(self, tensor: str, rank: int | None = None) -> tuple[torch.Tensor, dict]:
-        with tempfile.NamedTemporaryFile(suffix=".pt") as f:
-            args = ["dump", "--inference", self.inf, "--tensor", tensor, "--out", f.name]
-            if rank is not None:
-                args += ["--rank", str(rank)]
-            cli(*args, check=True, timeout=60)
-            d = torch.load(f.name)
-        return d["tensor"], d["version"]
+        return dump_rpc(self.inf, tensor, rank)
 
     def expected(self, tensor: str, step: int) -> torch.Tensor:
         spec = model_config(self.model).tensors()[tensor]

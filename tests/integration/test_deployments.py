@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from reshard.common.frameworks import build
 from reshard.common.layout import dtype_of
 
-from .cluster import Cluster, cli, free_port
+from .cluster import Cluster, cli, dump_rpc, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -25,10 +24,7 @@ NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj
 
 
 def dump_from(addr: str, name: str):
-    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
-        cli("dump", "--inference", addr, "--tensor", name, "--out", f.name, check=True, timeout=60)
-        d = torch.load(f.name)
-    return d["tensor"], d["version"]
+    return dump_rpc(addr, name)
 
 
 def test_two_deployments_with_relays():

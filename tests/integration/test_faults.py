@@ -55,8 +55,9 @@ def test_frozen_inference_worker():
             stdout, stderr = proc.communicate(timeout=DEADLINE + 30)
             elapsed = time.monotonic() - t0
             assert proc.returncode != 0, stdout
-            assert "failed" in stderr
-            assert elapsed < DEADLINE + 15, f"the failure took {elapsed:.1f}s"
+            assert "failed" in stderr and "stopped answering" in stderr, stderr
+            # Found by its silence (--worker-timeout, 5 s), not at the update's deadline.
+            assert elapsed < DEADLINE, f"the failure took {elapsed:.1f}s"
             # The other workers never stopped serving the previous version.
             for r in (0, 2, 3):
                 assert_holds(c, good, rank=r)

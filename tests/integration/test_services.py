@@ -4,6 +4,7 @@ the test's own regeneration of the trainer's weights."""
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 
 import grpc
@@ -115,6 +116,11 @@ def test_bad_requests_get_clear_status_codes(cluster):
     assert r.returncode == 2 and "malformed inference address" in r.stderr
     r = cli("dump", "--inference", cluster.inf, "--tensor", "model.layers.0.self_attn.q_proj.weight", "--out", "/tmp/x.pt", "--rank", "0")
     assert r.returncode != 0 and "not held by worker rank 0" in r.stderr
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:  # the command itself, against the RPC the other tests read with
+        cli("dump", "--inference", cluster.inf, "--tensor", "lm_head.weight", "--out", f.name, check=True)
+        d = torch.load(f.name)
+    got, version = cluster.dump("lm_head.weight")
+    assert torch.equal(d["tensor"], got) and d["version"] == version and isinstance(version["step"], int)
 
     async def calls():
         async with grpc.aio.insecure_channel(cluster.inf) as ch:

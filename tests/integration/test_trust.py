@@ -16,7 +16,7 @@ from reshard.common.models import megatron_layout, model_config
 from reshard.common.synth import tensor_value
 from reshard.trainer_svc.worker import TrainerWorker
 
-from .cluster import Cluster, cli, free_port
+from .cluster import Cluster, cli, dump_rpc, free_port
 
 pytestmark = pytest.mark.integration
 SEED = 5
@@ -39,21 +39,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def dump_from(addr: str, name: str) -> tuple[torch.Tensor, dict]:
-    """A tensor read back through the inference controller's Dump RPC (what `reshard dump` calls)."""
-    import grpc
-
-    from reshard.common.layout import dtype_of
-    from reshard.proto import reshard_pb2 as pb
-    from reshard.proto import reshard_pb2_grpc as rgrpc
-
-    data, first = bytearray(), None
-    with grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-        for chunk in rgrpc.InferenceServiceStub(ch).Dump(pb.DumpRequest(tensor=name), timeout=60):
-            first = first or chunk
-            assert chunk.offset == len(data)
-            data += chunk.data
-    t = torch.frombuffer(data, dtype=dtype_of(first.dtype)).view(list(first.shape)).clone()
-    return t, {"run": first.version.run, "step": first.version.step}
+    return dump_rpc(addr, name)
 
 
 def status(addr: str, side: str) -> dict:
@@ -169,7 +155,6 @@ def rpc(addr: str, method: str, request, timeout: float = 15):
 def test_dump_during_an_in_place_transfer_never_blocks_the_worker():
     """In-place mode holds the serving lock for the whole transfer: a read-back then must be
     refused at once, not block the worker's loop (which would strand the update)."""
-    import grpc
 
     c = Cluster("tiny", inference_workers=2, inference_mode="inplace",
                 inference_env={"RESHARD_FAULT_RANK": "0", "RESHARD_FAULT_SLOW_AFTER": "0", "RESHARD_FAULT_SLOW_SECONDS": "3",
@@ -179,10 +164,9 @@ def test_dump_during_an_in_place_transfer_never_blocks_the_worker():
                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         c.wait_for(lambda s: s.get("progress", {}).get("phase") == "TRANSFER", what="inference receiving")
         t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
+        with pytest.raises(AssertionError, match="UNAVAILABLE.*in place") as e:
             dump_from(c.inf, "lm_head.weight")
-        assert time.monotonic() - t0 < 8
-        assert "in place" in e.value.details(), e.value.details()
+        assert time.monotonic() - t0 < 8, e.value
         out, err = upd.communicate(timeout=90)
         assert upd.returncode == 0, err + c.logs()
         got, version = dump_from(c.inf, "lm_head.weight")
@@ -235,8 +219,6 @@ def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version()
         old = c.worker_pid(1)
         t0 = time.monotonic()
         os.kill(old, signal.SIGKILL)
-        st = c.wait_for(lambda s: any(w["rank"] == 1 and w["pid"] not in (0, old) and w["state"] == "HELD" for w in s["workers"])
-                        or (s["serving_state"] == "SERVING" and c.worker_pid(1) != old), what="rank 1 restarted")
         healed = c.wait_for(lambda s: s["serving_state"] == "SERVING" and all(
             w["version"]["run"] == "run1" and int(w["version"]["step"]) == step for w in s["workers"])
             and c.worker_pid(1) != old, what="repaired")
@@ -244,6 +226,7 @@ def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version()
         rank1 = next(w for w in healed["workers"] if w["rank"] == 1)
         assert set(rank1["requests_by_version"]) <= {f"run1:{step}"}, rank1  # never served its checkpoint
         assert took < 30, took
+        print(f"kill to repaired: {took:.1f}s")
         got, version = dump_from(c.inf, "model.layers.0.self_attn.q_proj.weight")
         assert version == {"run": "run1", "step": step}
         assert torch.equal(got, c.expected("model.layers.0.self_attn.q_proj.weight", step))
