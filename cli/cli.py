@@ -94,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference", type=_address("inference address"), action="append", default=[],
                    help="an inference deployment to update (repeat for several; more can be attached later)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run", default="", help="run id (default: a fresh one; a resumed trainer starts a new run)")
+    p.add_argument("--run", default="", help="run id (default: a fresh one; give the same one to resume a run: "
+                                             "inference refuses another run without --allow-rollback)")
+    p.add_argument("--allow-rollback", action="store_true",
+                   help="let inference move to another run or back in steps (recorded in its history); "
+                        "without it such an update is refused")
     p.add_argument("--bucket-bytes", type=int, default=0, help="staging bucket size (default 16 MiB)")
     p.add_argument("--store-host", default="",
                    help="host the workers use to reach this trainer's session store (default: the --listen host, "
@@ -364,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
-                       master_dtype=a.master_dtype, backend=a.backend, device=a.device)
+                       master_dtype=a.master_dtype, backend=a.backend, device=a.device, allow_rollback=a.allow_rollback)
     if a.command == "doctor":
         from reshard.doctor import main as doctor_main
 

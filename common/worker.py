@@ -148,6 +148,9 @@ class WorkerBase:
             self._connected.clear()
             if self._stopping:
                 break
+            # Whatever the lost controller started cannot finish (its store, its commit): stop it, so
+            # the data-plane thread is free for the next controller's first update.
+            self._abort_in_flight(f"the connection to controller {self.controller} was lost")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
@@ -230,6 +233,14 @@ class WorkerBase:
 
     def on_abort(self, update_id: str) -> None:
         pass
+
+    def _abort_in_flight(self, why: str) -> None:
+        uid = self._current
+        if uid and uid not in self._aborted:
+            self._aborted.add(uid)
+            log.warning("%s worker %d: update %s aborted: %s", self.role, self.rank, uid, why)
+            self._drop_session(uid, f"update {uid} aborted: {why}")
+            self.on_abort(uid)
 
     def _drop_session(self, update_id: str, abort: str = "") -> None:
         """Forget the update's session: one that failed or was aborted is never reused. With `abort`

@@ -49,6 +49,7 @@ class _Update:
         self.requests_at_start = 0
         self.tensors = 0
         self.begin_reply: pb.BeginUpdateReply | None = None  # a retried BeginUpdate gets it again
+        self.note = ""  # recorded with the outcome (a rollback the operator allowed)
         self.finish: asyncio.Task | None = None  # verify + commit, run once whoever asks
 
 
@@ -73,6 +74,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.instance = uuid.uuid4().hex[:8]  # a restarted controller is a new membership
         self.finished: collections.OrderedDict[str, tuple[pb.FinishUpdateReply | None, str]] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
+        self.epoch = 0  # the newest trainer controller epoch seen: older ones are fenced out
 
     # -- state -----------------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -181,6 +183,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     return cur.begin_reply
             if req.update_id in self.finished:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"update {req.update_id} already finished")
+            if req.epoch < self.epoch:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"fenced: trainer controller epoch {req.epoch} is older than epoch {self.epoch}, which "
+                                    "has taken over this deployment (a restarted or second trainer controller)")
             if cur is not None and cur.phase in FINISHING:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"update {cur.id} ({_v(cur.version)}) is in {cur.phase} on every rank; "
@@ -194,10 +200,24 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             self._reconcile()
             served = self.committed
             repair = self.needs_repair() and served is not None and _v(served) == _v(req.version)
-            if served is not None and served.run == req.version.run and req.version.step <= served.step and not repair:
+            backwards = ""
+            if served is not None and not repair:
+                if served.run == req.version.run and req.version.step <= served.step:
+                    backwards = f"version {_v(req.version)} does not advance the committed {_v(served)} of the same run"
+                elif served.run != req.version.run and served.step > 0:  # step 0: the checkpoint the engine loaded
+                    backwards = f"version {_v(req.version)} is of another run than the committed {_v(served)}"
+            if backwards and not req.allow_rollback:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"version {_v(req.version)} does not advance the committed {_v(served)} of the same run")
+                                    f"{backwards}; moving to another run or back in steps is an operator's choice "
+                                    "(reshard trainer --allow-rollback)")
+            if req.epoch > self.epoch:
+                if self.epoch:
+                    log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
+                self.epoch = req.epoch
             u = _Update(req, self.hub.world)
+            if backwards:
+                u.note = f"rollback allowed by the operator: from {_v(served)} to {_v(req.version)}"
+                log.warning("update %s: %s", req.update_id, u.note)
             self.update = u
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)
@@ -293,7 +313,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         during = sum(w.requests_served for w in self.hub.alive()) - u.requests_at_start
         self.history.append(pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes,
                                             verified=True, verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during),
-                                            tensors=u.tensors, update_id=u.id))
+                                            tensors=u.tensors, update_id=u.id, note=u.note))
         self.history = self.history[-100:]
         log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
         reply = pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during))

@@ -67,7 +67,7 @@ class UpdateProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class UpdateRecord(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     version: Version
     ok: bool
     seconds: float
@@ -94,7 +95,8 @@ class UpdateRecord(_message.Message):
     tensors: int
     deployment: str
     update_id: str
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
+    note: str
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -245,7 +247,7 @@ class Session(_message.Message):
     def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors")
+    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "epoch", "allow_rollback")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,8 @@ class BeginUpdateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     version: Version
     src_layout: bytes
@@ -264,7 +268,9 @@ class BeginUpdateRequest(_message.Message):
     mode: str
     bucket_bytes: int
     tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    epoch: int
+    allow_rollback: bool
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class BeginUpdateReply(_message.Message):
     __slots__ = ("bytes_total",)

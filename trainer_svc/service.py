@@ -62,10 +62,13 @@ class Deployment:
 
 class TrainerController(rgrpc.TrainerServiceServicer):
     def __init__(self, hub: WorkerHub, model: str, inference: list[str], run: str, store_host: str, deadlines: Deadlines,
-                 bucket_bytes: int = 0, backend: str = "auto") -> None:
+                 bucket_bytes: int = 0, backend: str = "auto", allow_rollback: bool = False) -> None:
         from torch.distributed import TCPStore
 
         self.hub, self.model, self.run = hub, model, run
+        # A lease on the deployments: a newer controller (a restart, a second one) fences this one out.
+        self.epoch = time.time_ns()
+        self.allow_rollback = allow_rollback  # the operator's choice: another run, or older steps
         self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
         self.deadlines, self.bucket_bytes = deadlines, bucket_bytes
         if backend not in BACKENDS:
@@ -78,6 +81,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         hub.default_run = run
         hub.on_disconnect = self._on_disconnect
         hub.on_stale = self._on_disconnect
+        hub.on_attach = self._on_attach
         self.published: pb.Version | None = None
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
@@ -117,6 +121,20 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         elif kind == "done" and msg.done.update_id == self._update_id:
             self._done[conn.rank] = msg.done
             self._done_event.set()
+
+    def _on_attach(self, conn: WorkerConn) -> None:
+        """A restarted controller recovers what its workers published (their hellos carry it): an
+        embedded trainer whose publish reached the dead controller still gets it pushed."""
+        versions = {_v(w.version): w.version for w in self.hub.alive() if w.version is not None}
+        if not self.hub.complete() or len(versions) != 1 or any(w.version is None for w in self.hub.alive()):
+            return
+        v = next(iter(versions.values()))
+        p = self.published
+        if p is None or (p.run == v.run and p.step < v.step):
+            log.info("recovered published version %s from the workers", _v(v))
+            self.published = v
+            if self.auto_push:
+                self._request(v, "reshard")
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         self._done_event.set()
@@ -419,7 +437,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             try:
                 await d.stub.BeginUpdate(pb.BeginUpdateRequest(
                     update_id=uid, version=version, src_layout=src.to_bytes(), plan_digest=plan.digest, session=session,
-                    timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes, tensors=names),
+                    timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes, tensors=names, epoch=self.epoch,
+                    allow_rollback=self.allow_rollback),
                     timeout=min(left, self.deadlines.rpc_s * 2))
             except grpc.aio.AioRpcError as e:
                 raise UpdateFailed(f"inference refused the update: {e.details()}") from None
@@ -496,12 +515,13 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-                master_dtype: str = "", backend: str = "auto", device: str = "cpu") -> int:
+                master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False) -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
     store_host = store_host or local_host(listen)
-    ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes, backend=backend)
+    ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes, backend=backend,
+                            allow_rollback=allow_rollback)
     ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
 
     def command(addr: str, rank: int) -> list[str]:
@@ -520,8 +540,9 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-         master_dtype: str = "", backend: str = "auto", device: str = "cpu") -> int:
+         master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False) -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
                                        spawn_workers=spawn_workers, store_host=store_host, layout=layout,
-                                       master_dtype=master_dtype, backend=backend, device=device))
+                                       master_dtype=master_dtype, backend=backend, device=device,
+                                       allow_rollback=allow_rollback))

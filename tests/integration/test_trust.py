@@ -234,3 +234,86 @@ def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version()
         assert rc == 0 and out["committed"]["step"] == step + 1, err
     finally:
         c.close()
+
+
+def test_versions_never_go_backwards_and_a_newer_trainer_controller_fences_the_older(tmp_path):
+    """Another run (or an older step) is refused unless the operator allows it, and then recorded;
+    once a newer trainer controller has updated a deployment, the older one is fenced out."""
+    c = Cluster("tiny", inference_workers=2)
+    procs = []
+
+    def trainer(*extra: str) -> str:
+        addr = f"127.0.0.1:{free_port()}"
+        procs.append(start(["trainer", "--listen", addr, "--workers", "2", "--model", "tiny", "--inference", c.inf,
+                            "--run", "run2", *extra], f"{tmp_path}/trainer{len(procs)}.log"))
+        wait_status(addr, "trainer", lambda s: s["serving_state"] == "SERVING", what="second trainer up")
+        return addr
+
+    def update(addr: str) -> tuple[int, str]:
+        r = cli("update", "--trainer", addr, "--wait", "--json", "--timeout", "60", timeout=90)
+        return r.returncode, r.stdout + r.stderr
+
+    try:
+        rc, out, err = c.update()
+        assert rc == 0, err
+        first = out["committed"]
+        b = trainer()
+        rc, text = update(b)
+        assert rc != 0 and "another run" in text and "--allow-rollback" in text, text
+        assert c.status()["version"] == {"run": "run1", "step": str(first["step"])}
+        stop(procs)
+        b = trainer("--allow-rollback")
+        rc, text = update(b)
+        assert rc == 0, text
+        st = c.status()
+        assert st["version"]["run"] == "run2" and "rollback allowed by the operator: from run1:1" in st["history"][-1]["note"]
+        rc, out, err = c.update()  # the first controller, now older than the one that took over
+        assert rc != 0 and "fenced" in (err + json.dumps(out)), err
+        assert c.status()["version"]["run"] == "run2"
+    finally:
+        stop(procs)
+        c.close()
+
+
+def test_a_restarted_trainer_controller_recovers_what_its_workers_published(tmp_path):
+    """The trainer controller dies while it pushes an embedded trainer's step: restarted with the
+    same command line, it learns the published version from its workers' hellos and pushes it, and
+    the trainer's handles are released (not left waiting forever)."""
+    cfg = model_config("tiny")
+    inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    slow = {"RESHARD_FAULT_RANK": "0", "RESHARD_FAULT_SLOW_AFTER": "0", "RESHARD_FAULT_SLOW_SECONDS": "4",
+            "RESHARD_FAULT_ONCE": "1"}
+    env = dict(os.environ, **slow)
+    procs = [subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
+                               "--model", "tiny"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=open(f"{tmp_path}/inf.log", "w"), start_new_session=True)]
+    trainer_cmd = ["trainer", "--listen", tr, "--workers", "2", "--model", "tiny", "--inference", inf, "--external-workers",
+                   "--run", "r"]
+    procs.append(start(trainer_cmd, f"{tmp_path}/t1.log"))
+    src = megatron_layout(cfg, 2)
+    trainers = []
+    try:
+        wait_status(inf, "inference", lambda s: s["serving_state"] == "SERVING", what="inference serving")
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
+            for desc in src.ranks[r]:
+                for p in desc.pieces:
+                    bufs[desc.name][1][p.region.slices()].copy_(
+                        tensor_value(SEED, p.tensor, 1, cfg.tensors()[p.tensor].shape, torch.bfloat16)[p.box.slices()])
+            trainers.append(TrainerWorker(tr, r, 2, src.tensors, bufs).start())
+        handles = [w.publish(1) for w in trainers]
+        wait_status(inf, "inference", lambda s: s.get("progress", {}).get("phase") == "TRANSFER", what="transfer")
+        os.killpg(procs[-1].pid, signal.SIGKILL)  # the controller dies mid-push
+        procs[-1].wait()
+        assert not any(h.writable for h in handles)
+        procs.append(start(trainer_cmd, f"{tmp_path}/t2.log"))
+        for h in handles:
+            assert h.wait(60), (open(f"{tmp_path}/t2.log").read()[-3000:], status(tr, "trainer"), status(inf, "inference"))
+        st = wait_status(inf, "inference", lambda s: s.get("version", {}).get("step") == "1", what="step 1 committed")
+        assert st["version"]["run"] == "r"
+        got, _ = dump_from(inf, "lm_head.weight")
+        assert torch.equal(got, tensor_value(SEED, "lm_head.weight", 1, cfg.tensors()["lm_head.weight"].shape, torch.bfloat16))
+    finally:
+        for w in trainers:
+            w.stop()
+        stop(procs)
