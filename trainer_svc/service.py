@@ -159,7 +159,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         if req.take_step and not self.auto_push:
             # The step itself is taken by the update loop right before the transfer, so
             # triggers that arrive during an update coalesce into one step to the newest.
-            base = max(self.target_step, self.published.step if self.published and self.published.run == self.run else 0)
+            # A restarted controller of the same run continues after what inference already committed.
+            await self._learn_committed()
+            done = [d.committed.step for d in self.deployments.values() if d.committed is not None and d.committed.run == self.run]
+            base = max(self.target_step, self.published.step if self.published and self.published.run == self.run else 0, *done)
             self.target_step = base + 1
             version = pb.Version(run=self.run, step=self.target_step)
             self._request(version, mode, take_step=True, tensors=tuple(req.tensors))
@@ -246,6 +249,19 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         return st
 
     # -- the update loop ---------------------------------------------------------------
+    @staticmethod
+    def _learned(d: Deployment, st: pb.Status) -> None:
+        if d.committed is None and st.has_version:  # what it serves, learned after our (re)start
+            d.committed = pb.Version(run=st.version.run, step=st.version.step)
+
+    async def _learn_committed(self) -> None:
+        for d in list(self.deployments.values()):
+            if d.committed is None:
+                try:
+                    self._learned(d, await d.stub.GetStatus(pb.StatusRequest(), timeout=min(2.0, self.deadlines.rpc_s)))
+                except grpc.aio.AioRpcError:
+                    pass
+
     async def watch(self, every: float = 1.0) -> None:
         """Repair: when a deployment has a rank that does not hold its committed version (a worker
         restarted with its checkpoint, held and not serving), push that version again at once, if
@@ -261,6 +277,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     st = await d.stub.GetStatus(pb.StatusRequest(), timeout=self.deadlines.rpc_s)
                 except grpc.aio.AioRpcError:
                     continue
+                self._learned(d, st)
                 if not st.needs_repair or any(w.state not in ("READY", "HELD") for w in st.workers):
                     continue
                 v = self.published

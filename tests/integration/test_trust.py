@@ -270,6 +270,10 @@ def test_versions_never_go_backwards_and_a_newer_trainer_controller_fences_the_o
         rc, out, err = c.update()  # the first controller, now older than the one that took over
         assert rc != 0 and "fenced" in (err + json.dumps(out)), err
         assert c.status()["version"]["run"] == "run2"
+        stop(procs)  # restarted with the same command line and run: it continues after what inference holds
+        b = trainer()
+        rc, text = update(b)
+        assert rc == 0 and '"step": 2' in text, text
     finally:
         stop(procs)
         c.close()
