@@ -64,7 +64,8 @@ def run_demo(a) -> int:
             row = {"version": f"{out['committed']['run']}:{out['committed']['step']}", "mode": mode, "seconds": secs,
                    "transfer_seconds": float(rec.get("transfer_seconds", 0.0)), "bytes": int(rec.get("bytes", 0)),
                    "verify_seconds": float(rec.get("verify_seconds", 0.0)), "verified": bool(rec.get("verified", False)),
-                   "requests_during": int(rec.get("requests_during", 0))}
+                   "requests_during": int(rec.get("requests_during", 0)),
+                   "phases": {k: float(v) for k, v in rec.get("phase_seconds", {}).items()}}
             row["gbps"] = row["bytes"] / row["seconds"] / 1e9 if row["seconds"] else 0.0
             print(f"  {mode:10s} {row['version']:>18s}  {row['seconds']:7.3f} s  {row['bytes'] / 1e9:6.3f} GB  {row['gbps']:6.2f} GB/s  "
                   f"verify {row['verify_seconds']:.3f} s  verified {'yes' if row['verified'] else 'NO'}", file=log, flush=True)

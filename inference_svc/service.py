@@ -296,7 +296,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             await self.hub.call_all(left, verify=wpb.Verify(update_id=u.id, expected=req.expected))
             verify_s = time.perf_counter() - t0
             u.phase = "COMMIT"
+            t0 = time.perf_counter()
             await self.hub.call_all(max(1.0, u.deadline - time.monotonic()), commit=wpb.Commit(update_id=u.id, version=u.version))
+            commit_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - every failure is recorded for the callers
             if not isinstance(e, (WorkerError, LayoutError)):
                 log.exception("update %s: unexpected error while finishing", _v(u.version))
@@ -316,7 +318,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                                             tensors=u.tensors, update_id=u.id, note=u.note))
         self.history = self.history[-100:]
         log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
-        reply = pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during))
+        reply = pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during),
+                                     commit_seconds=commit_s)
         self._record(u.id, reply)
         return reply
 

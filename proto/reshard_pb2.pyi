@@ -67,7 +67,14 @@ class UpdateProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note", "phase_seconds")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +89,7 @@ class UpdateRecord(_message.Message):
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: Version
     ok: bool
     seconds: float
@@ -96,7 +104,8 @@ class UpdateRecord(_message.Message):
     deployment: str
     update_id: str
     note: str
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
+    phase_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -299,16 +308,18 @@ class FinishUpdateRequest(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Iterable[_Union[PieceChecksum, _Mapping]]] = ...) -> None: ...
 
 class FinishUpdateReply(_message.Message):
-    __slots__ = ("committed", "verify_seconds", "bytes", "requests_during")
+    __slots__ = ("committed", "verify_seconds", "bytes", "requests_during", "commit_seconds")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     committed: Version
     verify_seconds: float
     bytes: int
     requests_during: int
-    def __init__(self, committed: _Optional[_Union[Version, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., requests_during: _Optional[int] = ...) -> None: ...
+    commit_seconds: float
+    def __init__(self, committed: _Optional[_Union[Version, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., requests_during: _Optional[int] = ..., commit_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortUpdateRequest(_message.Message):
     __slots__ = ("update_id", "reason")

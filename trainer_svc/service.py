@@ -437,6 +437,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             except BackendError as e:
                 raise UpdateFailed(f"{e}; nothing transferred") from None
             # CONNECT: reuse the session while membership is unchanged.
+            phases = record.phase_seconds
+            phases["negotiate"] = time.monotonic() - t0
             self.phase = d.phase = "CONNECT"
             # Inference membership too: a worker restarted there must not be handed a session its
             # peers cached with the dead process.
@@ -467,6 +469,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             # TRANSFER
             self.phase = d.phase = "TRANSFER"
             t_transfer = time.monotonic()
+            phases["connect"] = t_transfer - t0 - phases["negotiate"]
             while len(self._done) < self.hub.world:
                 failed = [td for td in self._done.values() if not td.ok]
                 if failed:
@@ -503,6 +506,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             d.committed, d.repair = rep.committed, False
             d.last_error = ""
             record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
+            phases["transfer"] = record.transfer_seconds
+            phases["verify"], phases["commit"] = rep.verify_seconds, rep.commit_seconds
             record.bytes, record.requests_during = rep.bytes, rep.requests_during
             record.tensors = len(names) if names else len(dst.tensors)
             record.seconds = time.monotonic() - t0

@@ -210,4 +210,6 @@ def test_demo_json_small():
     assert len(out["updates"]) == 2
     for u in out["updates"]:
         assert {"version", "seconds", "bytes", "verified"} <= set(u) and u["verified"] and u["bytes"] > 0
+        assert set(u["phases"]) == {"negotiate", "connect", "transfer", "verify", "commit"}
+        assert all(v >= 0 for v in u["phases"].values()) and sum(u["phases"].values()) <= u["seconds"] + 0.05
     assert out["baseline_seconds"] > 0 and out["speedup_vs_serialized"] > 0
