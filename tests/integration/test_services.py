@@ -134,8 +134,9 @@ def test_bad_requests_get_clear_status_codes(cluster):
             served = (await stub.GetStatus(pb.StatusRequest(), timeout=5)).version
             # A version that goes backwards within the run is refused before anything moves.
             lay = await stub.GetLayout(pb.GetLayoutRequest(), timeout=5)
+            # (A newest epoch, so that the fence does not answer first; a refused request takes over nothing.)
             req = pb.BeginUpdateRequest(update_id="x", version=pb.Version(run=served.run, step=served.step),
-                                        src_layout=lay.layout, plan_digest="0", session=pb.Session(id="s"))
+                                        src_layout=lay.layout, plan_digest="0", session=pb.Session(id="s"), epoch=1 << 62)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.BeginUpdate(req, timeout=5)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "does not advance" in e.value.details()
