@@ -190,7 +190,7 @@ def test_commit_is_owned_by_finish_update_and_a_retry_gets_its_outcome():
         uid = st["progress"]["update_id"]
         with pytest.raises(grpc.RpcError) as e:
             rpc(c.inf, "BeginUpdate", pb.BeginUpdateRequest(update_id="intruder", version=pb.Version(run="other", step=9),
-                                                            src_layout=b"\0", session=pb.Session(id="s")))
+                                                            src_layout=b"\0", session=pb.Session(id="s"), epoch=1 << 62))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "COMMIT" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             rpc(c.inf, "AbortUpdate", pb.AbortUpdateRequest(update_id=uid, reason="too late"))
