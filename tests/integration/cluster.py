@@ -48,6 +48,19 @@ def dump_rpc(addr: str, name: str, rank: int | None = None) -> tuple[torch.Tenso
     return t, {"run": first.version.run, "step": first.version.step}
 
 
+def stop_processes(procs: list[subprocess.Popen], grace: float = 20) -> None:
+    """SIGTERM each still running; SIGKILL the process group of any that ignores it."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:

@@ -2,8 +2,6 @@
 process (this test process), attached to real services started through the CLI."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ from reshard.common.synth import tensor_value
 from reshard.inference_svc.worker import InferenceWorker
 from reshard.trainer_svc.worker import TrainerWorker
 
-from .cluster import cli, free_port
+from .cluster import cli, free_port, stop_processes
 
 pytestmark = pytest.mark.integration
 SEED = 3
@@ -90,10 +88,4 @@ def test_embedded_workers_publish_and_commit(snapshot):
     finally:
         for w in trainers + inferences:
             w.stop()
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_processes(procs)

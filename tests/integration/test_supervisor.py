@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import site
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from reshard.common.supervisor import Supervisor, module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
-from .cluster import free_port
+from .cluster import free_port, stop_processes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -142,10 +141,4 @@ def test_services_run_from_a_folder_holding_a_reshard_package(tmp_path, installe
         assert json.loads(r.stdout)["committed"]["run"] == "cwd"
         assert "No module named" not in log_path.read_text()
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_processes(procs)

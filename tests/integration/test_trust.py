@@ -16,7 +16,7 @@ from reshard.common.models import megatron_layout, model_config
 from reshard.common.synth import tensor_value
 from reshard.trainer_svc.worker import TrainerWorker
 
-from .cluster import Cluster, cli, dump_rpc, free_port
+from .cluster import Cluster, cli, dump_rpc, free_port, stop_processes
 
 pytestmark = pytest.mark.integration
 SEED = 5
@@ -27,15 +27,7 @@ def start(args: list[str], log: str) -> subprocess.Popen:
                             stderr=open(log, "w"), start_new_session=True)
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+stop = stop_processes
 
 
 def dump_from(addr: str, name: str) -> tuple[torch.Tensor, dict]:
