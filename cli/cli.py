@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default=os.environ.get("RESHARD_LOG_LEVEL", "INFO"))
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def deadlines(p):
+    def service_args(p, workers: str) -> None:
+        """What both services take: where external workers come from, the device, the deadlines."""
+        p.add_argument("--external-workers", action="store_true",
+                       help=f"start no workers: wait for --workers {workers} to attach")
+        p.add_argument("--device", type=_device, default="cpu",
+                       help="where standalone workers keep the weights: cpu, cuda (worker rank %% GPU count) or cuda:N")
         p.add_argument("--rpc-timeout", type=_positive, default=10.0, help="deadline of control-plane calls, seconds")
         p.add_argument("--update-timeout", type=_positive, default=120.0, help="deadline of one whole update, seconds")
         p.add_argument("--worker-timeout", type=_positive, default=5.0,
@@ -79,11 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
-    p.add_argument("--external-workers", action="store_true",
-                   help="start no workers: wait for --workers InferenceWorkers embedded in a serving engine to attach")
-    p.add_argument("--device", type=_device, default="cpu",
-                   help="where standalone workers keep the weights: cpu, cuda (worker rank %% GPU count) or cuda:N")
-    deadlines(p)
+    service_args(p, "InferenceWorkers embedded in a serving engine")
 
     p = sub.add_parser("trainer", help="run trainer_svc with standalone synthetic workers")
     p.add_argument("--listen", type=_address("listen address"), required=True)
@@ -107,13 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-dtype", default="", choices=["", "float32", "bfloat16", "float16"],
                    help="standalone workers hold the weights in this dtype (e.g. float32 masters); a declared cast "
                         "to the inference dtype, done on the sender")
-    p.add_argument("--external-workers", action="store_true",
-                   help="start no workers: wait for --workers TrainerWorkers embedded in a training job to attach")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="data plane: nccl when every worker's buffers are on CUDA, gloo when on CPU (auto), or forced")
-    p.add_argument("--device", type=_device, default="cpu",
-                   help="where standalone workers keep the weights: cpu, cuda (worker rank %% GPU count) or cuda:N")
-    deadlines(p)
+    service_args(p, "TrainerWorkers embedded in a training job")
 
     p = sub.add_parser("update", help="push the trainer's latest version to inference")
     p.add_argument("--trainer", type=_address("trainer address"), required=True)

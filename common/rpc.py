@@ -104,6 +104,14 @@ def run_main(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
             loop.close()
 
 
+def keep_task(tasks: set[asyncio.Task], coro) -> asyncio.Task:
+    """A task on the running loop, held in `tasks` until it ends (asyncio keeps only weak references)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
+
+
 def status_error(e: grpc.aio.AioRpcError | grpc.RpcError) -> str:
     try:
         return f"{e.code().name}: {e.details()}"

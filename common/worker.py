@@ -27,7 +27,7 @@ from .backend import buffers_device
 from .engine import Engine, StagingPool, receiver_checksums
 from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from .planner import Plan, PlanOptions, make_plan
-from .rpc import CHANNEL_OPTIONS, new_event_loop, parse_address
+from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_address
 from .transport import Transport, TransportError, transport_class
 
 log = logging.getLogger("reshard.worker")
@@ -120,10 +120,7 @@ class WorkerBase:
 
     def _spawn(self, coro) -> asyncio.Task:
         """A task on this worker's loop, referenced until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return keep_task(self._tasks, coro)
 
     async def _main(self) -> None:
         with self._emit_lock:

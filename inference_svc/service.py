@@ -17,7 +17,7 @@ import grpc
 from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts, serve_controller
 from reshard.common.layout import Layout, LayoutError, dtype_of
 from reshard.common.planner import PlanOptions, make_plan
-from reshard.common.rpc import Deadlines, run_main
+from reshard.common.rpc import Deadlines, keep_task, run_main
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -111,9 +111,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             u.error = u.error or why
             u.changed.set()
             if u.finish is None:  # once FinishUpdate runs, it aborts on u.error itself
-                task = asyncio.get_running_loop().create_task(self._abort(u, why))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                keep_task(self._tasks, self._abort(u, why))
 
     def _reconcile(self) -> None:
         """A rank serves only the deployment's committed version: hold the others until an update
@@ -258,9 +256,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"update {_v(u.version)} failed: {u.error}")
         if done is None:
             if u.finish is None:
-                u.finish = asyncio.get_running_loop().create_task(self._finish(u, req))
-                self._tasks.add(u.finish)
-                u.finish.add_done_callback(self._tasks.discard)
+                u.finish = keep_task(self._tasks, self._finish(u, req))
             try:
                 await asyncio.shield(u.finish)
             except _Failed:
