@@ -382,11 +382,11 @@ class WorkerBase:
 
         slow_after = int(self.fault.get("slow_after", -1))
         slow_seconds = float(self.fault.get("slow_seconds", 0))
+        if self.fault.get("once"):  # the first update this rank transfers, whether or not it gets that far
+            self.fault = {k: v for k, v in self.fault.items() if k not in ("slow_after", "slow_seconds", "once")}
 
         def hook(rnd: int) -> None:
             if rnd == slow_after:  # a data plane that stalls while the control plane still answers
-                if self.fault.get("once"):
-                    self.fault = {}
                 until = time.monotonic() + slow_seconds
                 while time.monotonic() < until and p.update_id not in self._aborted:
                     time.sleep(0.05)
