@@ -163,10 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference-workers", type=int, default=4)
 
     from reshard.bench import add_parser as bench_parser
+    from reshard.chaos import add_parser as chaos_parser
     from reshard.simulate_cmd import add_parser as simulate_parser
 
     bench_parser(sub)
     simulate_parser(sub)
+    chaos_parser(sub)
     return ap
 
 
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.demo import run_demo
 
         return run_demo(a)
-    if a.command in ("bench", "simulate"):
+    if a.command in ("bench", "simulate", "chaos"):
         return a._main(a)
     from reshard.common.rpc import new_event_loop
 

@@ -53,7 +53,76 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
         "peak_memory_bytes": mem.peak,
         "plan_memory_bytes": plan.nbytes,
         "digest": plan.digest,
+        **control_figures(plan, src, dst),
     }
+
+
+def control_figures(plan, src, dst) -> dict:
+    """Control-plane bytes of one update of this pair, from the messages the services build (the
+    verification arrays by `common.verify`'s builders, the layouts by `Layout.to_bytes`), with
+    realistic values in the fixed-size fields. A steady update names layouts by fingerprint; the
+    first one (or the first after a membership change) carries them once per worker stream."""
+    import numpy as np
+
+    from reshard.common import verify
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import worker_pb2 as wpb
+
+    S, D = plan.src_world, plan.dst_world
+    sfp, dfp = src.fingerprint(), dst.fingerprint()
+    src_bytes, dst_bytes = src.to_bytes(), dst.to_bytes()
+    uid, version = "0123456789ab", pb.Version(run="run-2026-12-03T12-00-00", step=123456)
+    session = pb.Session(id=uid, store_host="10.20.30.40", store_port=29500, src_world=S, dst_world=D, transport="nccl",
+                         nccl_unique_id=bytes(128))
+    membership = "0123abcd:99:" + ",".join(f"{r}/{1000000 + r}" for r in range(D))
+    layout_reply = pb.LayoutReply(model="model", fingerprint=dfp, workers=D, devices=[f"cuda:{r % 8}" for r in range(D)],
+                                  membership=membership)
+    begin = pb.BeginUpdateRequest(update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=120.0,
+                                  mode="reshard", epoch=1 << 62, src_fingerprint=sfp)
+    prepare = wpb.Prepare(update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=120.0,
+                          mode="reshard", src_fingerprint=sfp, dst_fingerprint=dfp)
+
+    def cmd(i: int, **kw) -> wpb.ControllerMessage:
+        return wpb.ControllerMessage(id=1 << 40 | i, **kw)
+
+    def reply(i: int) -> wpb.WorkerMessage:
+        return wpb.WorkerMessage(reply=wpb.Reply(id=1 << 40 | i, ok=True, seconds=0.123, bytes_total=1 << 40))
+
+    memory = {"staging": 1 << 30, "shadow": 1 << 36, "nccl": 1 << 30, "update_peak": 1 << 31}
+    zeros = np.zeros(plan.num_checksum_slots, dtype=np.uint32)
+    steady: list[tuple[str, object]] = [
+        ("GetLayoutRequest", pb.GetLayoutRequest(known_fingerprint=dfp)), ("LayoutReply", layout_reply),
+        ("BeginUpdateRequest", begin), ("BeginUpdateReply", pb.BeginUpdateReply(bytes_total=plan.total_bytes)),
+        ("FinishUpdateRequest", pb.FinishUpdateRequest(update_id=uid, expected=verify.dense(plan, zeros))),
+        ("FinishUpdateReply", pb.FinishUpdateReply(committed=version, verify_seconds=1.0, bytes=plan.total_bytes,
+                                                   requests_during=1 << 20, commit_seconds=1.0)),
+    ]
+    for side, world in (("trainer", S), ("inference", D)):
+        for r in range(world):
+            steady += [(f"{side}:prepare", cmd(r, prepare=prepare)), (f"{side}:reply", reply(r)),
+                       (f"{side}:progress", wpb.WorkerMessage(progress=wpb.Progress(update_id=uid, bytes_done=1 << 40,
+                                                                                   bytes_total=1 << 40)))]
+            done = wpb.TransferDone(update_id=uid, ok=True, bytes=1 << 40, seconds=1.0, checksum_seconds=1.0, memory=memory)
+            if side == "trainer":
+                slots = plan.source_slots(r)
+                done.checksums.CopyFrom(verify.report(plan, slots, np.zeros(len(slots), np.uint32)))
+                steady.append(("trainer:release", cmd(r, release=wpb.Release(version=version))))
+            else:
+                steady += [("inference:verify", cmd(r, verify=wpb.Verify(update_id=uid, expected=verify.rank_expected(plan, r, zeros)))),
+                           ("inference:reply", reply(r)), ("inference:commit", cmd(r, commit=wpb.Commit(update_id=uid, version=version))),
+                           ("inference:reply", reply(r))]
+            steady.append((f"{side}:done", wpb.WorkerMessage(done=done)))
+    first = [("LayoutReply (with the layout)", pb.LayoutReply(layout=dst_bytes, **{f.name: v for f, v in layout_reply.ListFields()})),
+             ("BeginUpdateRequest (with the source layout)", pb.BeginUpdateRequest(src_layout=src_bytes, **{f.name: v for f, v in begin.ListFields()})),
+             ("Prepare (with both layouts)", cmd(0, prepare=wpb.Prepare(src_layout=src_bytes, dst_layout=dst_bytes,
+                                                                          **{f.name: v for f, v in prepare.ListFields()})))]
+    sizes = [(name, m.ByteSize()) for name, m in steady]
+    total = sum(n for _, n in sizes)
+    name, largest = max(sizes + [(n, m.ByteSize()) for n, m in first], key=lambda x: x[1])
+    extra = sum(m.ByteSize() for _, m in first[:2]) + (S + D) * (first[2][1].ByteSize() - cmd(0, prepare=prepare).ByteSize())
+    return {"control_bytes_per_update": total, "first_update_extra_control_bytes": extra,
+            "max_control_message_bytes": largest, "max_control_message": name,
+            "checksum_slots": plan.num_checksum_slots}
 
 
 def _max_staging(plan) -> int:

@@ -216,6 +216,41 @@ class ColumnRanks(Sequence):
         return f"ColumnRanks({len(self)} ranks, {len(self.classes)} classes)"
 
 
+def merge_ranks(parts: Sequence, rank_part: Sequence[int]):
+    """One layout from one-rank layouts (`parts`, each a `Layout` of one rank, columnar or not),
+    rank r being parts[rank_part[r]]: columns end to end, one class per distinct part (ranks
+    that declared the same buffers share it). Tensors declared by several parts must agree
+    (LayoutError naming the first rank of each)."""
+    from .layout import Layout, LayoutError
+
+    tensors: dict = {}
+    first_rank = {}
+    for r, k in enumerate(rank_part):
+        first_rank.setdefault(k, r)
+    for k, part in enumerate(parts):
+        for n, t in part.tensors.items():
+            have = tensors.setdefault(n, t)
+            if have != t:
+                other = next(first_rank[j] for j, q in enumerate(parts) if q.tensors.get(n) == have)
+                raise LayoutError(f"tensor {n!r}: rank {first_rank[k]} declares {list(t.shape)} {t.dtype}, "
+                                  f"rank {other} {list(have.shape)} {have.dtype}")
+    tensor_names = sorted(tensors)
+    tid = {n: i for i, n in enumerate(tensor_names)}
+    name_id: dict[str, int] = {}
+    classes = []
+    for part in parts:
+        if part.world != 1:
+            raise LayoutError(f"a rank layout has {part.world} ranks, not 1")
+        names, [cols], _ = layout_classes(part)
+        part_tensors = part.ranks.tensor_names if isinstance(part.ranks, ColumnRanks) else sorted(part.tensors)
+        tmap = np.array([tid[n] for n in part_tensors] + [-1], dtype=np.int64)
+        nmap = np.array([name_id.setdefault(n, len(name_id)) for n in names], dtype=np.int64)
+        classes.append(dataclasses.replace(cols, buf_name=nmap[cols.buf_name] if len(nmap) else cols.buf_name,
+                                           p_tensor=tmap[np.where(cols.p_tensor < 0, len(part_tensors), cols.p_tensor)]))
+    ranks = ColumnRanks(tensor_names, sorted(name_id, key=name_id.__getitem__), classes, list(rank_part))
+    return Layout({n: tensors[n] for n in tensor_names}, ranks, any(p.allow_casts for p in parts))
+
+
 # -- the wire form ------------------------------------------------------------------------
 
 WIRE_MAGIC = b"RSL2c"

@@ -17,12 +17,34 @@ from collections.abc import Callable
 
 import grpc
 
-from reshard.common.layout import Layout, LayoutError
+from reshard.common.layout import Layout
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("reshard.hub")
+
+
+class ControlMeter:
+    """Control-plane bytes of one update: the total and the largest message (by serialized size)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.total, self.largest, self.largest_kind = 0, 0, ""
+
+    def add(self, kind: str, msg) -> None:
+        n = msg.ByteSize()
+        self.total += n
+        if n > self.largest:
+            self.largest, self.largest_kind = n, kind
+
+    def record(self, r: pb.UpdateRecord) -> None:
+        r.control_bytes, r.max_control_message_bytes, r.max_control_message = self.total, self.largest, self.largest_kind
+
+
+_UNMETERED = ("heartbeat", "piece")  # not part of an update: liveness, and dumps
 
 
 class WorkerError(RuntimeError):
@@ -47,6 +69,7 @@ class WorkerConn:
     allowed: bool | None = None  # inference: what its controller last told it (serve or hold)
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # from its last finished transfer
+    layouts: set[str] = dataclasses.field(default_factory=set)  # layout fingerprints sent on this stream
 
     @property
     def pid(self) -> int:
@@ -76,6 +99,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.stopping = False
         self.supervisor = None  # common.supervisor.Supervisor, when this controller runs standalone workers
         self.default_run = ""  # the run of versions a worker reports without one (a trainer made without run=)
+        self.meter = ControlMeter()  # the controller resets it when an update begins
 
     def own(self, v: pb.Version) -> pb.Version:
         """A version a worker reported, with this controller's run filled in when it gave none."""
@@ -119,6 +143,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.workers[h.rank] = conn
         self.generation += 1
         log.info("%s worker rank %d attached (pid %d)", self.role, h.rank, h.pid)
+        if self.supervisor is not None:
+            self.supervisor.attached(h.rank, h.pid)
         if self.on_attach:
             self.on_attach(conn)
         await self._notify()
@@ -169,6 +195,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
     def _dispatch(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
         kind = msg.WhichOneof("kind")
+        if kind not in _UNMETERED:
+            self.meter.add(f"worker:{kind}", msg)
         if kind == "done" and msg.done.memory:
             conn.memory = dict(msg.done.memory)
         if kind == "reply":
@@ -196,6 +224,13 @@ class WorkerHub(wgrpc.WorkerControlServicer):
                 if not w.stale and now - w.last_seen > after:
                     w.stale = True
                     log.warning("%s worker rank %d (pid %d) has been silent for %.1fs", self.role, w.rank, w.pid, now - w.last_seen)
+                    # A call may wait as long as its deadline while the worker works (planning a
+                    # large pair takes seconds); a silent one fails it now.
+                    for fut in w.pending.values():
+                        if not fut.done():
+                            fut.set_exception(WorkerError(f"{self.role} worker rank {w.rank} (pid {w.pid}) stopped "
+                                                          f"answering (silent for {now - w.last_seen:.1f}s)"))
+                    w.pending.clear()
                     if self.on_stale:
                         self.on_stale(w)
 
@@ -225,7 +260,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         cid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         conn.pending[cid] = fut
-        conn.queue.put_nowait(wpb.ControllerMessage(id=cid, **command))
+        self._put(conn, wpb.ControllerMessage(id=cid, **command))
         try:
             reply = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -236,25 +271,52 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             raise WorkerError(f"{self.role} worker rank {conn.rank}: {reply.error}")
         return reply
 
-    async def call_all(self, timeout: float, **command) -> list[wpb.Reply]:
+    def _put(self, conn: WorkerConn, msg: wpb.ControllerMessage) -> None:
+        kind = msg.WhichOneof("command")
+        if kind != "read":
+            self.meter.add(f"controller:{kind}", msg)
+        conn.queue.put_nowait(msg)
+
+    async def call_all(self, timeout: float, each: Callable[[WorkerConn], dict] | None = None, **command) -> list[wpb.Reply]:
+        """One command to every worker, and their replies; `each(conn)` makes each worker's own."""
         if not self.complete():
             missing = sorted(set(range(self.world)) - {w.rank for w in self.alive()})
             raise WorkerError(self.missing_error(missing, "are not attached (deployment degraded)"))
-        results = await asyncio.gather(*(self.call(w, timeout, **command) for w in self.alive()), return_exceptions=True)
+        results = await asyncio.gather(*(self.call(w, timeout, **(each(w) if each else command)) for w in self.alive()),
+                                       return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return results
 
+    async def prepare_all(self, timeout: float, base: wpb.Prepare, layouts: dict[str, bytes]) -> list[wpb.Reply]:
+        """Prepare every worker. A layout's bytes (fingerprint -> bytes) go only to a worker that
+        was not sent them on its current stream: steady updates carry fingerprints alone."""
+        def each(conn: WorkerConn) -> dict:
+            p = wpb.Prepare()
+            p.CopyFrom(base)
+            for fp, field in ((base.src_fingerprint, "src_layout"), (base.dst_fingerprint, "dst_layout")):
+                if fp not in conn.layouts:
+                    setattr(p, field, layouts[fp])
+                    conn.layouts.add(fp)
+            return {"prepare": p}
+
+        try:
+            return await self.call_all(timeout, each)
+        except BaseException:
+            for w in self.workers.values():  # whatever they hold now, the next update sends them again
+                w.layouts.clear()
+            raise
+
     def send(self, conn: WorkerConn, **command) -> None:
         """Fire and forget to one worker."""
         if conn.alive:
-            conn.queue.put_nowait(wpb.ControllerMessage(id=next(self._ids), **command))
+            self._put(conn, wpb.ControllerMessage(id=next(self._ids), **command))
 
     def send_all(self, **command) -> None:
         """Fire and forget (abort): no reply awaited."""
         for w in self.alive():
-            w.queue.put_nowait(wpb.ControllerMessage(id=next(self._ids), **command))
+            self._put(w, wpb.ControllerMessage(id=next(self._ids), **command))
 
     async def read(self, conn: WorkerConn, tensor: str, timeout: float) -> list[wpb.ReadPiece]:
         cid = next(self._ids)
@@ -274,17 +336,20 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
 
 def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
-    """One side's layout, assembled from the rank layouts its workers declared in their hello."""
-    tensors, ranks, casts = {}, [], False
+    """One side's layout, assembled from the rank layouts its workers declared in their hello:
+    in columns, each distinct rank layout decoded once (replicas declare the same bytes)."""
+    from .columns import merge_ranks
+
+    parts: list[Layout] = []
+    index: dict[bytes, int] = {}
+    rank_part = []
     for c in sorted(conns, key=lambda c: c.rank):
-        part = Layout.from_bytes(c.hello.rank_layout)
-        casts |= part.allow_casts
-        for n, t in part.tensors.items():
-            if tensors.setdefault(n, t) != t:
-                raise LayoutError(f"tensor {n!r}: {c.hello.role} rank {c.rank} declares {list(t.shape)} {t.dtype}, "
-                                  f"another rank {list(tensors[n].shape)} {tensors[n].dtype}")
-        ranks.append(part.ranks[0])
-    return Layout(tensors, tuple(ranks), allow_casts=casts)
+        k = index.get(c.hello.rank_layout)
+        if k is None:
+            k = index[c.hello.rank_layout] = len(parts)
+            parts.append(Layout.from_bytes(c.hello.rank_layout))
+        rank_part.append(k)
+    return merge_ranks(parts, rank_part)
 
 
 def local_host(listen: str) -> str:

@@ -263,6 +263,7 @@ class Plan:
     relay_sends: Mapping | None = None
     relay_pieces: Mapping | None = None
     _segments: dict[int, Segment] = dataclasses.field(default_factory=dict)
+    _memo: dict = dataclasses.field(default_factory=dict)  # derived tables, built on first use
 
     def __post_init__(self) -> None:
         if self.sends is None:
@@ -376,6 +377,127 @@ class Plan:
             for rep in reps.get((r, b), ()):
                 out[(rep, b, i)] = v
         return out
+
+    # -- checksum slots: verification in compact arrays keyed by the digest -------------------
+    # A *slot* is one (destination rank, buffer, piece) that sources send to: the sorted, unique
+    # keys of the segments of every non-relay message. Senders report (slot, sum) pairs, the
+    # trainer controller adds them into one array over the slots, and each destination rank gets
+    # the values of the slots it verifies (a replica fed by relays checks its head's slots).
+    # Every end computes the same slots from the same plan: nothing else goes on the wire.
+
+    def _name_ids(self) -> dict[str, int]:
+        ids = self._memo.get("name_ids")
+        if ids is None:
+            ids = self._memo["name_ids"] = {n: i for i, n in enumerate(self._buffer_names)}
+        return ids
+
+    def _key_scale(self) -> tuple[int, int]:
+        """(buffer names, pieces) bounds of the composite key (rank * NB + name) * NP + piece."""
+        g = self._g
+        return len(self._buffer_names) + 1, int(g["piece"].max(initial=0)) + 1
+
+    def checksum_keys(self) -> np.ndarray:
+        """The plan's slots as sorted composite keys (int64): slot i is checksum_keys()[i]."""
+        keys = self._memo.get("checksum_keys")
+        if keys is None:
+            m, g = self._m, self._g
+            direct = np.flatnonzero(~m["relay"])
+            lo, hi = m["lo"][direct], m["hi"][direct]
+            n = hi - lo
+            seg = np.repeat(lo - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(int(n.sum()))
+            dst = np.repeat(m["dst"][direct], n)
+            piece = g["piece"][seg]
+            ok = piece >= 0
+            nb, npc = self._key_scale()
+            keys = np.unique((dst[ok].astype(np.int64) * nb + g["dbuf"][seg][ok]) * npc + piece[ok])
+            keys.flags.writeable = False
+            self._memo["checksum_keys"] = keys
+        return keys
+
+    def source_slots(self, src: int) -> np.ndarray:
+        """The slots source rank `src` reports sums for (sorted): those of the pieces it sends to."""
+        m, g = self._m, self._g
+        mine = np.flatnonzero(~m["relay"] & (m["src"] == src))
+        lo, hi = m["lo"][mine], m["hi"][mine]
+        n = hi - lo
+        seg = np.repeat(lo - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(int(n.sum()))
+        dst, piece = np.repeat(m["dst"][mine], n), g["piece"][seg]
+        ok = piece >= 0
+        nb, npc = self._key_scale()
+        comp = np.unique((dst[ok].astype(np.int64) * nb + g["dbuf"][seg][ok]) * npc + piece[ok])
+        return np.searchsorted(self.checksum_keys(), comp)
+
+    @property
+    def num_checksum_slots(self) -> int:
+        return len(self.checksum_keys())
+
+    def checksum_slots(self, sums: dict[tuple[int, str, int], int], strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """A sender's per-piece sums ((dst rank, buffer, piece) -> value) as (slots, values), both
+        uint32. `strict`: every key must be a slot of this plan (the reshard engine's always are);
+        otherwise keys that are not (the serialized baseline's sums for replicas) are left out."""
+        if not sums:
+            return np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+        ids, (nb, npc) = self._name_ids(), self._key_scale()
+        items = list(sums.items())
+        comp = np.array([(r * nb + ids.get(b, nb - 1)) * npc + (i if 0 <= i < npc else 0) for (r, b, i), _ in items],
+                        dtype=np.int64)
+        vals = np.array([v for _, v in items], dtype=np.uint32)
+        keys = self.checksum_keys()
+        slot = np.searchsorted(keys, comp)
+        found = slot < len(keys)
+        found[found] = keys[slot[found]] == comp[found]
+        if strict and not found.all():
+            (r, b, i), _ = items[int(np.flatnonzero(~found)[0])]
+            raise LayoutError(f"checksum for rank {r} buffer {b!r} piece {i} is not a slot of plan {self.digest}")
+        return slot[found].astype(np.uint32), vals[found]
+
+    def verify_pieces(self, rank: int) -> tuple[list[tuple[str, int]], np.ndarray]:
+        """What destination `rank` verifies, in order: its (buffer, piece) pairs (every piece of a
+        tensor in the update), and the slot whose value each must equal (int64; -1 where no source
+        sends to it: an empty piece, whose checksum is 0)."""
+        t = self._dst_table
+        cache = self._memo.setdefault("verify", {})
+        hit = cache.get(rank)
+        if hit is not None:
+            return hit
+        c = int(t.rank_class[rank])
+        rows = self._class_piece_rows(c)
+        bufs = t.p_buf[rows]
+        names = [t.buf_str[b] for b in bufs.tolist()]
+        pieces = t.p_index[rows]
+        ids, (nb, npc) = self._name_ids(), self._key_scale()
+        name_id = np.array([ids.get(n, nb - 1) for n in names], dtype=np.int64)
+        owner = np.full(len(rows), rank, dtype=np.int64)  # whose slot each piece checks
+        for b, head in self._relayed.get(rank, ()):
+            # a buffer row of the head's class with the same name: the head's copy of it
+            owner[bufs == b] = head
+        comp = (owner * nb + name_id) * npc + pieces
+        keys = self.checksum_keys()
+        slot = np.searchsorted(keys, comp)
+        hit_ = slot < len(keys)
+        hit_[hit_] = keys[slot[hit_]] == comp[hit_]
+        out = (list(zip(names, pieces.tolist())), np.where(hit_, slot, -1))
+        if len(cache) < 1024:
+            cache[rank] = out
+        return out
+
+    def _class_piece_rows(self, c: int) -> np.ndarray:
+        """The destination table's piece rows of class `c` in the update (tensor known and, for a
+        partial update, selected), in table order."""
+        t = self._dst_table
+        by_class = self._memo.get("class_rows")
+        if by_class is None:
+            keep = t.p_tensor >= 0
+            if self._subset is not None:
+                keep &= self._subset[np.maximum(t.p_tensor, 0)]
+            rows = np.flatnonzero(keep)
+            cls = t.buf_class[t.p_buf[rows]]
+            order = np.argsort(cls, kind="stable")
+            rows, cls = rows[order], cls[order]
+            bounds = np.searchsorted(cls, np.arange(t.num_classes + 1))
+            by_class = self._memo["class_rows"] = (rows, bounds)
+        rows, bounds = by_class
+        return rows[bounds[c]:bounds[c + 1]]
 
     def expected_pieces(self, dst: int) -> dict[tuple[str, int], list[Segment]]:
         """The destination pieces this rank receives (to checksum), with their source segments

@@ -9,6 +9,7 @@ thread so the loop keeps answering while bytes move.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -22,20 +23,81 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
 
-from . import baseline
+from . import baseline, faults
 from .backend import buffers_device
-from .engine import Engine, StagingPool, receiver_checksums
+from .engine import Engine, StagingPool
 from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from .planner import Plan, PlanOptions, make_plan
 from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_address
 from .transport import Transport, TransportError, transport_class
+from .verify import sender_report
 
 log = logging.getLogger("reshard.worker")
 
 
+class SharedCache:
+    """A small process-wide LRU whose values are built once, even when several workers of one
+    process (colocated ranks, tests) ask for the same key at the same time."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key, build):
+        with self._lock:
+            fut = self._entries.get(key)
+            owner = fut is None
+            if owner:
+                fut = self._entries[key] = concurrent.futures.Future()
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        if owner:
+            try:
+                fut.set_result(build())
+            except BaseException as e:
+                with self._lock:
+                    if self._entries.get(key) is fut:
+                        del self._entries[key]
+                fut.set_exception(e)
+        return fut.result()
+
+
+_LAYOUTS = SharedCache(8)  # fingerprint -> Layout
+_PLANS = SharedCache(8)  # (source and destination fingerprints, bucket bytes, tensors) -> Plan
+
+
+def _layout(fingerprint: str, data: bytes, what: str) -> Layout:
+    if not fingerprint:
+        return Layout.from_bytes(data)
+    if not data:
+        with _LAYOUTS._lock:
+            known = fingerprint in _LAYOUTS._entries
+        if not known:
+            raise LayoutError(f"the {what} layout {fingerprint} is not known to this worker; its controller must send it")
+    return _LAYOUTS.get(fingerprint, lambda: Layout.from_bytes(data))
+
+
+_RANK_LAYOUTS: collections.OrderedDict = collections.OrderedDict()  # ids of buffers -> (buffers, bytes)
+_RANK_LAYOUTS_LOCK = threading.Lock()
+
+
 def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer], allow_casts: bool = False) -> bytes:
+    """One rank's layout as its hello carries it. Workers of one process that hold the same
+    buffer objects (replicas built from one layout) share the encoding."""
+    key = (tuple(map(id, buffers)), id(tensors), allow_casts)
+    with _RANK_LAYOUTS_LOCK:
+        hit = _RANK_LAYOUTS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], buffers)) and hit[1] is tensors:
+        return hit[2]
     used = {p.tensor for b in buffers for p in b.pieces}
-    return Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts).to_bytes()
+    data = Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts).to_bytes()
+    with _RANK_LAYOUTS_LOCK:
+        _RANK_LAYOUTS[key] = (tuple(buffers), tensors, data)  # the references keep the ids from being reused
+        while len(_RANK_LAYOUTS) > 16:
+            _RANK_LAYOUTS.popitem(last=False)
+    return data
 
 
 class WorkerBase:
@@ -67,7 +129,8 @@ class WorkerBase:
         self._pool = StagingPool(self.device)
         self.memory: dict[str, int] = {}  # the last memory report (bytes by category)
         self._mem_high = 0
-        self._plans: dict[tuple, Plan] = {}
+        self._prepared: tuple[str, Plan, Layout] | None = None  # (update id, plan, destination layout)
+        self._landed: tuple[str, dict] = ("", {})  # receiver: (update id, sums per piece of what landed)
         self._sessions: dict[str, Transport] = {}  # one per attached deployment
         self._update_session: dict[str, str] = {}
         self._dp = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{self.role}{rank}-dp")
@@ -266,19 +329,21 @@ class WorkerBase:
         return {"nccl_unique_id": uid}
 
     async def _on_prepare(self, p: wpb.Prepare, cid: int) -> dict:
+        faults.at_phase(f"{self.role}-worker", "CONNECT", self.rank)
         loop = asyncio.get_running_loop()
-        src, dst = Layout.from_bytes(p.src_layout), Layout.from_bytes(p.dst_layout)
         opts = PlanOptions(bucket_bytes=p.bucket_bytes) if p.bucket_bytes else PlanOptions()
         subset = set(p.tensors) if p.tensors else None
-        key = (src.fingerprint(), dst.fingerprint(), p.mode, opts.bucket_bytes, tuple(sorted(subset or ())))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
-            self._plans = {key: plan}
         if p.mode == "serialized" and subset is not None:
             raise LayoutError("the serialized baseline moves whole models: it takes no partial updates")
+        # Layouts and plans are kept per fingerprint (a trainer feeding two deployments keeps both),
+        # and built off the loop, once per process.
+        src, dst = await asyncio.gather(loop.run_in_executor(None, _layout, p.src_fingerprint, p.src_layout, "source"),
+                                        loop.run_in_executor(None, _layout, p.dst_fingerprint, p.dst_layout, "destination"))
+        key = (src.fingerprint(), dst.fingerprint(), opts.bucket_bytes, tuple(sorted(subset or ())))
+        plan = await loop.run_in_executor(None, _PLANS.get, key, lambda: make_plan(src, dst, opts, subset))
         if p.mode != "serialized" and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
+        self._prepared = (p.update_id, plan, dst)
         await loop.run_in_executor(None, self.before_transfer, p)  # may wait for the engine's step (a lock)
         self._current = p.update_id
         total = plan.send_bytes(self.rank) if self.side == "src" else plan.recv_bytes(self.rank)
@@ -299,8 +364,10 @@ class WorkerBase:
             sums, nbytes, csum_s = await loop.run_in_executor(self._dp, self._measured_transfer, p, plan, src, dst)
             done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
             done.memory.update(self.memory)
-            for (r, b, i), v in sorted(sums.items()):
-                done.checksums.add(rank=r, buffer=b, piece=i, value=v)
+            if self.side == "src" and sums:  # a source rank's sums per destination piece, as (slot, value) pairs
+                done.checksums.CopyFrom(sender_report(plan, sums, strict=p.mode != "serialized"))
+            elif self.side == "dst":  # what landed, summed as it landed: VERIFY compares these
+                self._landed = (p.update_id, sums)
         except Exception as e:  # noqa: BLE001
             log.warning("%s worker %d: transfer of %s failed: %s", self.role, self.rank, p.update_id, e)
             self._drop_session(p.update_id)
@@ -386,6 +453,7 @@ class WorkerBase:
             self.fault = {k: v for k, v in self.fault.items() if k not in ("slow_after", "slow_seconds", "once")}
 
         def hook(rnd: int) -> None:
+            faults.at_phase(f"{self.role}-worker", "TRANSFER", self.rank)  # after a round of bytes
             if rnd == slow_after:  # a data plane that stalls while the control plane still answers
                 until = time.monotonic() + slow_seconds
                 while time.monotonic() < until and p.update_id not in self._aborted:
@@ -397,13 +465,12 @@ class WorkerBase:
             return baseline.run(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
                                 deadline, progress, timeout=p.timeout_s)
         engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
-                        progress=progress, checksums=self.side == "src", hook=hook)
+                        progress=progress, checksums=self.side == "src", hook=hook, receiver_sums=self.side == "dst")
         sums = engine.run()
         return sums, engine.bytes_done, engine.checksum_seconds
 
-    def checksums_of(self, plan: Plan, dst: Layout, buffers: dict[str, torch.Tensor]) -> dict:
-        pieces = {(b.name, i): p for b in dst.ranks[self.rank] for i, p in enumerate(b.pieces)}
-        return receiver_checksums(plan, self.rank, buffers, pieces, self.shapes)
-
-    def current_plan(self) -> Plan | None:
-        return next(iter(self._plans.values()), None)
+    def prepared(self, update_id: str) -> tuple[Plan, Layout]:
+        """The plan and destination layout of the update this rank prepared last."""
+        if self._prepared is None or self._prepared[0] != update_id:
+            raise LayoutError(f"{self.role} rank {self.rank} has not prepared update {update_id}")
+        return self._prepared[1], self._prepared[2]

@@ -16,7 +16,8 @@ import grpc
 
 from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts, serve_controller
 from reshard.common.layout import Layout, LayoutError, dtype_of
-from reshard.common.planner import PlanOptions, make_plan
+from reshard.common import faults, verify
+from reshard.common.planner import Plan, PlanOptions, make_plan
 from reshard.common.rpc import Deadlines, keep_task, run_main
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
@@ -51,6 +52,11 @@ class _Update:
         self.begin_reply: pb.BeginUpdateReply | None = None  # a retried BeginUpdate gets it again
         self.note = ""  # recorded with the outcome (a rollback the operator allowed)
         self.finish: asyncio.Task | None = None  # verify + commit, run once whoever asks
+        self.plan: Plan | None = None
+
+
+class _UnknownSource(Exception):
+    """BeginUpdate named a source layout by fingerprint that this controller does not hold."""
 
 
 class _Failed(Exception):
@@ -62,13 +68,15 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.hub, self.model, self.deadlines = hub, model, deadlines
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
-        hub.on_attach = lambda conn: self._reconcile()
+        hub.on_attach = self._on_attach
         hub.on_stale = self._on_stale
         self.update: _Update | None = None
         self.committed: pb.Version | None = None
         self.history: list[pb.UpdateRecord] = []
         self.last_error = ""
-        self._layout: tuple[int, Layout] | None = None
+        self._built: tuple[int, asyncio.Future] | None = None  # (hub generation, (layout, fingerprint, bytes) being built)
+        self._sources: collections.OrderedDict[str, tuple[Layout, bytes]] = collections.OrderedDict()  # by fingerprint
+        self._plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self._lock = asyncio.Lock()
         self._not_serving = False  # an in-place update failed midway
         self.instance = uuid.uuid4().hex[:8]  # a restarted controller is a new membership
@@ -77,10 +85,57 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.epoch = 0  # the newest trainer controller epoch seen: older ones are fenced out
 
     # -- state -----------------------------------------------------------------------------
-    def layout(self) -> Layout:
-        if self._layout is None or self._layout[0] != self.hub.generation:
-            self._layout = (self.hub.generation, merge_rank_layouts(self.hub.alive()))
-        return self._layout[1]
+    async def _layout_bytes(self) -> tuple[Layout, str, bytes]:
+        """This deployment's layout with its fingerprint and bytes: built off the loop, once per
+        membership (callers at the same time share the one build)."""
+        gen = self.hub.generation
+        if self._built is None or self._built[0] != gen:
+            def build() -> tuple[Layout, str, bytes]:
+                lay = merge_rank_layouts(conns)
+                return lay, lay.fingerprint(), lay.to_bytes()
+
+            conns = self.hub.alive()
+            self._built = (gen, asyncio.get_running_loop().run_in_executor(None, build))
+        return await asyncio.shield(self._built[1])
+
+    async def _prewarm(self) -> None:
+        try:
+            await self._layout_bytes()
+        except Exception as e:  # noqa: BLE001 - GetLayout reports it
+            log.debug("building the layout failed: %s", e)
+
+    async def _source_layout(self, req: pb.BeginUpdateRequest) -> tuple[Layout, bytes]:
+        """The trainer's layout and its bytes: sent with its first BeginUpdate, then named by fingerprint."""
+        fp = req.src_fingerprint
+        if fp and fp in self._sources:
+            self._sources.move_to_end(fp)
+            return self._sources[fp]
+        if not req.src_layout:
+            raise _UnknownSource(f"source layout {fp or '(no fingerprint)'} is not held here: send it")
+        src = await asyncio.get_running_loop().run_in_executor(None, Layout.from_bytes, req.src_layout)
+        if fp:
+            self._sources[fp] = (src, req.src_layout)
+            while len(self._sources) > 4:
+                self._sources.popitem(last=False)
+        return src, req.src_layout
+
+    async def _plan(self, src: Layout, dst: Layout, req: pb.BeginUpdateRequest) -> Plan:
+        """The update's plan, kept per (layouts, bucket, tensors): planned off the loop, once."""
+        key = (src.fingerprint(), dst.fingerprint(), req.bucket_bytes, tuple(sorted(req.tensors)))
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            opts = PlanOptions(bucket_bytes=req.bucket_bytes) if req.bucket_bytes else PlanOptions()
+            subset = set(req.tensors) if req.tensors else None
+            plan = await asyncio.get_running_loop().run_in_executor(None, make_plan, src, dst, opts, subset)
+        self._plans[key] = plan
+        while len(self._plans) > 4:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _on_attach(self, conn: WorkerConn) -> None:
+        self._reconcile()
+        if self.hub.complete():  # build the layout now, not inside the first GetLayout's deadline
+            keep_task(self._tasks, self._prewarm())
 
     def _on_event(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
         u = self.update
@@ -159,19 +214,20 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def GetLayout(self, request, context):
         try:
             await self.hub.wait_complete(self.deadlines.rpc_s)
-            layout = self.layout()
+            _, fp, data = await self._layout_bytes()
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.LayoutReply(model=self.model, layout=layout.to_bytes(), fingerprint=layout.fingerprint(), workers=self.hub.world,
-                              devices=[w.device for w in self.hub.alive()], membership=self.membership())
+        return pb.LayoutReply(model=self.model, layout=b"" if request.known_fingerprint == fp else data, fingerprint=fp,
+                              workers=self.hub.world, devices=[w.device for w in self.hub.alive()], membership=self.membership())
 
     def membership(self) -> str:
         """Who the data plane would connect to: this controller's life and its workers' processes."""
         return f"{self.instance}:{self.hub.generation}:" + ",".join(f"{w.rank}/{w.pid}" for w in self.hub.alive())
 
     async def BeginUpdate(self, req: pb.BeginUpdateRequest, context):
-        if not req.update_id or not req.version.run or not req.src_layout or not req.session.id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "BeginUpdate needs update_id, version.run, src_layout and session")
+        if not req.update_id or not req.version.run or not (req.src_layout or req.src_fingerprint) or not req.session.id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "BeginUpdate needs update_id, version.run, src_layout (or src_fingerprint) and session")
         async with self._lock:
             cur = self.update
             if cur is not None and cur.id == req.update_id:  # a retried call
@@ -213,29 +269,37 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
                 self.epoch = req.epoch
             u = _Update(req, self.hub.world)
+            self.hub.meter.reset()
+            self.hub.meter.add("BeginUpdateRequest", req)
             if backwards:
                 u.note = f"rollback allowed by the operator: from {_v(served)} to {_v(req.version)}"
                 log.warning("update %s: %s", req.update_id, u.note)
             self.update = u
+            faults.at_phase("inference", "NEGOTIATE", workers=self.hub)
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)
                 self._reconcile()
-                dst = self.layout()
-                src = Layout.from_bytes(req.src_layout)
-                opts = PlanOptions(bucket_bytes=req.bucket_bytes) if req.bucket_bytes else PlanOptions()
-                subset = set(req.tensors) if req.tensors else None
-                plan = await asyncio.get_running_loop().run_in_executor(None, make_plan, src, dst, opts, subset)
-                u.tensors = len(subset) if subset else len(dst.tensors)
+                dst, dst_fp, dst_bytes = await self._layout_bytes()
+                src, src_bytes = await self._source_layout(req)
+                plan = await self._plan(src, dst, req)
+                u.tensors = len(req.tensors) if req.tensors else len(dst.tensors)
                 if plan.digest != req.plan_digest:
                     raise LayoutError(f"plan digest mismatch: trainer {req.plan_digest}, inference {plan.digest}")
+                u.plan = plan
                 u.bytes_total = plan.total_bytes
                 u.phase = "CONNECT"
+                faults.at_phase("inference", "CONNECT")
                 u.requests_at_start = sum(w.requests_served for w in self.hub.alive())
-                prep = wpb.Prepare(update_id=u.id, version=req.version, src_layout=req.src_layout, dst_layout=dst.to_bytes(),
-                                   plan_digest=plan.digest, session=req.session, timeout_s=req.timeout_s, mode=u.mode,
-                                   bucket_bytes=req.bucket_bytes, tensors=req.tensors)
-                await self.hub.call_all(self.deadlines.rpc_s, prepare=prep)
+                prep = wpb.Prepare(update_id=u.id, version=req.version, plan_digest=plan.digest, session=req.session,
+                                   timeout_s=req.timeout_s, mode=u.mode, bucket_bytes=req.bucket_bytes, tensors=req.tensors,
+                                   src_fingerprint=src.fingerprint(), dst_fingerprint=dst_fp)
+                await self.hub.prepare_all(max(self.deadlines.rpc_s, u.deadline - time.monotonic()), prep,
+                                           {prep.src_fingerprint: src_bytes, dst_fp: dst_bytes})
                 u.phase = "TRANSFER"
+                faults.at_phase("inference", "TRANSFER")
+            except _UnknownSource as e:
+                await self._fail(u, str(e))
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except LayoutError as e:
                 await self._fail(u, str(e))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -243,6 +307,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 await self._abort(u, str(e))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             u.begin_reply = pb.BeginUpdateReply(bytes_total=u.bytes_total)
+            self.hub.meter.add("BeginUpdateReply", u.begin_reply)
         return u.begin_reply
 
     async def FinishUpdate(self, req: pb.FinishUpdateRequest, context):
@@ -287,11 +352,16 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             if u.error:
                 raise WorkerError(u.error)
             u.phase = "VERIFY"
+            faults.at_phase("inference", "VERIFY")
             t0 = time.perf_counter()
+            self.hub.meter.add("FinishUpdateRequest", req)
+            values = verify.slot_values(u.plan, req.expected)
             left = max(1.0, u.deadline - time.monotonic())
-            await self.hub.call_all(left, verify=wpb.Verify(update_id=u.id, expected=req.expected))
+            await self.hub.call_all(left, lambda w: {"verify": wpb.Verify(
+                update_id=u.id, expected=verify.rank_expected(u.plan, w.rank, values))})
             verify_s = time.perf_counter() - t0
             u.phase = "COMMIT"
+            faults.at_phase("inference", "COMMIT")
             t0 = time.perf_counter()
             await self.hub.call_all(max(1.0, u.deadline - time.monotonic()), commit=wpb.Commit(update_id=u.id, version=u.version))
             commit_s = time.perf_counter() - t0
@@ -309,13 +379,16 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self._reconcile()
         nbytes = u.bytes_total  # the payload, each destination byte once (a relaying rank also sends: not counted again)
         during = sum(w.requests_served for w in self.hub.alive()) - u.requests_at_start
-        self.history.append(pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes,
-                                            verified=True, verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during),
-                                            tensors=u.tensors, update_id=u.id, note=u.note))
-        self.history = self.history[-100:]
-        log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
         reply = pb.FinishUpdateReply(committed=u.version, verify_seconds=verify_s, bytes=nbytes, requests_during=max(0, during),
                                      commit_seconds=commit_s)
+        self.hub.meter.add("FinishUpdateReply", reply)
+        record = pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes, verified=True,
+                                 verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during), tensors=u.tensors,
+                                 update_id=u.id, note=u.note)
+        self.hub.meter.record(record)
+        self.history.append(record)
+        self.history = self.history[-100:]
+        log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
         self._record(u.id, reply)
         return reply
 
@@ -338,8 +411,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def _fail(self, u: _Update, error: str) -> None:
         u.phase, u.error = "ABORT", u.error or error
         self.last_error = error
-        self.history.append(pb.UpdateRecord(version=u.version, ok=False, error=error, mode=u.mode, seconds=time.monotonic() - u.started,
-                                            update_id=u.id))
+        record = pb.UpdateRecord(version=u.version, ok=False, error=error, mode=u.mode, seconds=time.monotonic() - u.started,
+                                 update_id=u.id)
+        self.hub.meter.record(record)
+        self.history.append(record)
         self.history = self.history[-100:]
         log.error("update %s failed: %s", _v(u.version), error)
 
@@ -392,7 +467,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if not req.tensor:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DumpRequest.tensor is required")
         try:
-            layout = self.layout()
+            layout, _, _ = await self._layout_bytes()
         except LayoutError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         spec = layout.tensors.get(req.tensor)

@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from reshard.common.checksum import P
-from reshard.common.layout import Layout, LayoutError, LocalBuffer, TensorSpec
+from reshard.common import faults
+from reshard.common.checksum import box_checksum
+from reshard.common.layout import LocalBuffer, TensorSpec
+from reshard.common.verify import check_rank
 from reshard.common.worker import WorkerBase
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
@@ -33,6 +35,7 @@ READ_LOCK_TIMEOUT = 5.0
 class InferenceWorker(WorkerBase):
     role = "inference"
     side = "dst"
+    box_checksum = staticmethod(box_checksum)  # what VERIFY computes per piece (common.checksum)
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, mode: str = "shadow",
@@ -54,7 +57,6 @@ class InferenceWorker(WorkerBase):
         # committed version (one restarted with its checkpoint beside peers at step N must not).
         self.held = True
         self.updating = False
-        self._dst: Layout | None = None
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[pb.Version | None]:
@@ -108,7 +110,6 @@ class InferenceWorker(WorkerBase):
         self._serving.release()
 
     def before_transfer(self, p: wpb.Prepare) -> None:
-        self._dst = Layout.from_bytes(p.dst_layout)
         self.updating = True
         if self.mode == "inplace":
             self._pause()
@@ -131,23 +132,17 @@ class InferenceWorker(WorkerBase):
             self.shadow[n].copy_(t)
 
     async def _on_verify(self, v: wpb.Verify, cid: int) -> dict:
-        plan, dst = self.current_plan(), self._dst
-        if plan is None or dst is None:
-            raise RuntimeError("verify without a prepared update")
-        loop = asyncio.get_running_loop()
-        got = await loop.run_in_executor(self._dp, self.checksums_of, plan, dst, self.transfer_buffers())
-        expected = {(c.rank, c.buffer, c.piece): c.value for c in v.expected if c.rank == self.rank}
-        for key, value in sorted(got.items()):
-            if key not in expected:
-                raise LayoutError(f"rank {self.rank}: no expected checksum for buffer {key[1]!r} piece {key[2]}")
-            if expected[key] % P != value:
-                piece = dst.buffer(self.rank, key[1]).pieces[key[2]]
-                raise LayoutError(
-                    f"checksum mismatch on inference rank {self.rank}: tensor {piece.tensor!r} box {piece.box} "
-                    f"in buffer {key[1]!r} (expected {expected[key]}, got {value})")
+        faults.at_phase("inference-worker", "VERIFY", self.rank)
+        plan, dst = self.prepared(v.update_id)
+        pieces = {(b.name, i): p for b in dst.ranks[self.rank] for i, p in enumerate(b.pieces)}
+        uid, landed = self._landed
+        await asyncio.get_running_loop().run_in_executor(self._dp, check_rank, plan, self.rank, v.expected,
+                                                         self.transfer_buffers(), pieces, self.shapes, self.box_checksum,
+                                                         landed if uid == v.update_id else None)
         return {}
 
     async def _on_commit(self, c: wpb.Commit, cid: int) -> dict:
+        faults.at_phase("inference-worker", "COMMIT", self.rank)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._dp, self._commit, c.version)
         return {}

@@ -67,7 +67,7 @@ class UpdateProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note", "phase_seconds")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note", "phase_seconds", "control_bytes", "max_control_message_bytes", "max_control_message")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,9 @@ class UpdateRecord(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTROL_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTROL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     version: Version
     ok: bool
     seconds: float
@@ -105,7 +108,10 @@ class UpdateRecord(_message.Message):
     update_id: str
     note: str
     phase_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    control_bytes: int
+    max_control_message_bytes: int
+    max_control_message: str
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., control_bytes: _Optional[int] = ..., max_control_message_bytes: _Optional[int] = ..., max_control_message: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -218,8 +224,10 @@ class UpdateOutcome(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., superseded: _Optional[bool] = ..., error: _Optional[str] = ..., record: _Optional[_Union[UpdateRecord, _Mapping]] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
 
 class GetLayoutRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("known_fingerprint",)
+    KNOWN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    known_fingerprint: str
+    def __init__(self, known_fingerprint: _Optional[str] = ...) -> None: ...
 
 class LayoutReply(_message.Message):
     __slots__ = ("model", "layout", "fingerprint", "workers", "devices", "membership")
@@ -256,7 +264,7 @@ class Session(_message.Message):
     def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "epoch", "allow_rollback")
+    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "epoch", "allow_rollback", "src_fingerprint")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +276,7 @@ class BeginUpdateRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    SRC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     version: Version
     src_layout: bytes
@@ -279,7 +288,8 @@ class BeginUpdateRequest(_message.Message):
     tensors: _containers.RepeatedScalarFieldContainer[str]
     epoch: int
     allow_rollback: bool
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
+    src_fingerprint: str
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., allow_rollback: _Optional[bool] = ..., src_fingerprint: _Optional[str] = ...) -> None: ...
 
 class BeginUpdateReply(_message.Message):
     __slots__ = ("bytes_total",)
@@ -287,25 +297,23 @@ class BeginUpdateReply(_message.Message):
     bytes_total: int
     def __init__(self, bytes_total: _Optional[int] = ...) -> None: ...
 
-class PieceChecksum(_message.Message):
-    __slots__ = ("rank", "buffer", "piece", "value")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    BUFFER_FIELD_NUMBER: _ClassVar[int]
-    PIECE_FIELD_NUMBER: _ClassVar[int]
-    VALUE_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    buffer: str
-    piece: int
-    value: int
-    def __init__(self, rank: _Optional[int] = ..., buffer: _Optional[str] = ..., piece: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+class Checksums(_message.Message):
+    __slots__ = ("plan_digest", "slots", "values")
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    plan_digest: str
+    slots: bytes
+    values: bytes
+    def __init__(self, plan_digest: _Optional[str] = ..., slots: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class FinishUpdateRequest(_message.Message):
     __slots__ = ("update_id", "expected")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    expected: _containers.RepeatedCompositeFieldContainer[PieceChecksum]
-    def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Iterable[_Union[PieceChecksum, _Mapping]]] = ...) -> None: ...
+    expected: Checksums
+    def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Union[Checksums, _Mapping]] = ...) -> None: ...
 
 class FinishUpdateReply(_message.Message):
     __slots__ = ("committed", "verify_seconds", "bytes", "requests_during", "commit_seconds")

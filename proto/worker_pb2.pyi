@@ -30,7 +30,7 @@ class Hello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class Prepare(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors")
+    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "src_fingerprint", "dst_fingerprint")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class Prepare(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SRC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DST_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     version: _reshard_pb2.Version
     src_layout: bytes
@@ -51,15 +53,17 @@ class Prepare(_message.Message):
     mode: str
     bucket_bytes: int
     tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    src_fingerprint: str
+    dst_fingerprint: str
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., src_fingerprint: _Optional[str] = ..., dst_fingerprint: _Optional[str] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("update_id", "expected")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     update_id: str
-    expected: _containers.RepeatedCompositeFieldContainer[_reshard_pb2.PieceChecksum]
-    def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Iterable[_Union[_reshard_pb2.PieceChecksum, _Mapping]]] = ...) -> None: ...
+    expected: _reshard_pb2.Checksums
+    def __init__(self, update_id: _Optional[str] = ..., expected: _Optional[_Union[_reshard_pb2.Checksums, _Mapping]] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("update_id", "version")
@@ -233,12 +237,12 @@ class TransferDone(_message.Message):
     update_id: str
     ok: bool
     error: str
-    checksums: _containers.RepeatedCompositeFieldContainer[_reshard_pb2.PieceChecksum]
+    checksums: _reshard_pb2.Checksums
     bytes: int
     seconds: float
     checksum_seconds: float
     memory: _containers.ScalarMap[str, int]
-    def __init__(self, update_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checksums: _Optional[_Iterable[_Union[_reshard_pb2.PieceChecksum, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum_seconds: _Optional[float] = ..., memory: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, update_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checksums: _Optional[_Union[_reshard_pb2.Checksums, _Mapping]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., checksum_seconds: _Optional[float] = ..., memory: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Published(_message.Message):
     __slots__ = ("version",)

@@ -15,12 +15,12 @@ import uuid
 
 import grpc
 
+from reshard.common import faults, verify
 from reshard.common.backend import BACKENDS, BackendError, select_backend
-from reshard.common.checksum import P
 from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, merge_rank_layouts, serve_controller
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
-from reshard.common.rpc import Deadlines, channel, parse_address, run_main, status_error
+from reshard.common.rpc import Deadlines, channel, keep_task, parse_address, run_main, status_error
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -46,7 +46,9 @@ class Deployment:
         self.stub = rgrpc.InferenceServiceStub(self.chan)
         self.session: tuple[str, tuple, bytes] | None = None  # (id, what it was opened for, ncclUniqueId)
         self.backend = ""
-        self.plans: dict[tuple, object] = {}
+        self.plans: dict[tuple, object] = {}  # a few recent plans, by (layouts, bucket, tensors)
+        self.dst: tuple[str, Layout, bytes] | None = None  # its layout: (fingerprint, layout, bytes)
+        self.src_known = ""  # the source layout fingerprint its controller holds (sent once)
         self.committed: pb.Version | None = None
         self.last_error = ""
         self.phase = "IDLE"
@@ -96,6 +98,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._done: dict[int, wpb.TransferDone] = {}
         self._update_id = ""
         self._done_event = asyncio.Event()
+        self._src: tuple[int, asyncio.Future] | None = None  # (hub generation, this side's layout being built or built)
+        self._tasks: set[asyncio.Task] = set()
+        self._devices: list[str] = []  # the deployment being updated: its workers' devices, its membership
+        self._membership = ""
 
     @property
     def committed(self) -> pb.Version | None:
@@ -125,6 +131,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     def _on_attach(self, conn: WorkerConn) -> None:
         """A restarted controller recovers what its workers published (their hellos carry it): an
         embedded trainer whose publish reached the dead controller still gets it pushed."""
+        if self.hub.complete():  # build this side's layout now, not inside the first update
+            keep_task(self._tasks, self._prewarm())
         versions = {_v(w.version): w.version for w in self.hub.alive() if w.version is not None}
         if not self.hub.complete() or len(versions) != 1 or any(w.version is None for w in self.hub.alive()):
             return
@@ -396,6 +404,67 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     continue
                 raise UpdateFailed(e.details()) from None  # inference aborted it itself, or the deadline passed
 
+    async def _source_layout(self) -> tuple[str, Layout, bytes]:
+        """This side's layout from its workers' hellos, with its fingerprint and bytes: built off
+        the loop, once per membership (callers at the same time share the one build)."""
+        gen = self.hub.generation
+        if self._src is None or self._src[0] != gen:
+            def build() -> tuple[str, Layout, bytes]:
+                src = merge_rank_layouts(conns)
+                return src.fingerprint(), src, src.to_bytes()
+
+            conns = self.hub.alive()
+            self._src = (gen, asyncio.get_running_loop().run_in_executor(None, build))
+        return await asyncio.shield(self._src[1])
+
+    async def _prewarm(self) -> None:
+        try:
+            await self._source_layout()
+        except Exception as e:  # noqa: BLE001 - the update that needs it reports it
+            log.debug("building this side's layout failed: %s", e)
+
+    async def _dest_layout(self, d: Deployment) -> tuple[str, Layout, bytes]:
+        """The deployment's layout; only its fingerprint travels while it is unchanged."""
+        known = d.dst[0] if d.dst else ""
+        req = pb.GetLayoutRequest(known_fingerprint=known)
+        try:
+            lr = await d.stub.GetLayout(req, timeout=self.deadlines.rpc_s)
+        except grpc.aio.AioRpcError as e:
+            raise UpdateFailed(f"inference at {d.address} unreachable: {status_error(e)}") from None
+        self.hub.meter.add("GetLayoutRequest", req)
+        self.hub.meter.add("LayoutReply", lr)
+        if lr.model and self.model and lr.model != self.model:
+            log.warning("trainer model %s vs inference model %s: layouts decide compatibility", self.model, lr.model)
+        self._devices, self._membership = list(lr.devices), lr.membership
+        if d.dst is None or lr.fingerprint != known or lr.layout:
+            if not lr.layout:
+                raise UpdateFailed(f"inference at {d.address} sent no layout for fingerprint {lr.fingerprint}")
+            data = lr.layout
+            dst = await asyncio.get_running_loop().run_in_executor(None, Layout.from_bytes, data)
+            d.dst = (lr.fingerprint, dst, data)
+        return d.dst
+
+    async def _begin_update(self, d: Deployment, req: pb.BeginUpdateRequest, src_bytes: bytes, deadline: float) -> None:
+        """BeginUpdate on the deployment; the source layout's bytes go along only the first time
+        (or when its controller, restarted, no longer holds them)."""
+        for attempt in range(2):
+            if d.src_known != req.src_fingerprint or attempt:
+                req.src_layout = src_bytes
+            left = deadline - time.monotonic()
+            req.timeout_s = left
+            self.hub.meter.add("BeginUpdateRequest", req)
+            try:
+                rep = await d.stub.BeginUpdate(req, timeout=max(left, self.deadlines.rpc_s))  # it may plan, cold
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND and not req.src_layout:
+                    d.src_known = ""
+                    continue  # it does not hold our layout (restarted): send it
+                raise UpdateFailed(f"inference refused the update: {e.details()}") from None
+            self.hub.meter.add("BeginUpdateReply", rep)
+            d.src_known = req.src_fingerprint
+            return
+        raise UpdateFailed("inference refused the update: it does not accept the source layout")
+
     async def _update_one(self, d: Deployment, version: pb.Version, mode: str, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
         t0 = time.monotonic()
         deadline = t0 + self.deadlines.update_s
@@ -405,44 +474,43 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         began = False
         record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address, update_id=uid)
         try:
-            # NEGOTIATE
+            # NEGOTIATE: layouts and plans are kept while unchanged (fingerprints alone travel).
             self.phase = d.phase = "NEGOTIATE"
+            faults.at_phase("trainer", "NEGOTIATE", workers=self.hub)
+            self.hub.meter.reset()
             await self.hub.wait_complete(self.deadlines.rpc_s)
-            src = merge_rank_layouts(self.hub.alive())
-            try:
-                lr = await d.stub.GetLayout(pb.GetLayoutRequest(), timeout=self.deadlines.rpc_s)
-            except grpc.aio.AioRpcError as e:
-                raise UpdateFailed(f"inference at {d.address} unreachable: {status_error(e)}") from None
-            if lr.model and self.model and lr.model != self.model:
-                log.warning("trainer model %s vs inference model %s: layouts decide compatibility", self.model, lr.model)
-            dst = Layout.from_bytes(lr.layout)
-            opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
             loop = asyncio.get_running_loop()
+            src_fp, src, src_bytes = await self._source_layout()
+            dst_fp, dst, dst_bytes = await self._dest_layout(d)
+            opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
             try:
                 subset = select_tensors(dst, patterns)
             except LayoutError as e:
                 raise UpdateFailed(str(e)) from None
             try:
                 names = sorted(subset) if subset is not None else []
-                key = (src.fingerprint(), lr.fingerprint, opts.bucket_bytes, tuple(names))
-                plan = d.plans.get(key)
+                key = (src_fp, dst_fp, opts.bucket_bytes, tuple(names))
+                plan = d.plans.pop(key, None)
                 if plan is None:
                     plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
-                    d.plans = {key: plan}
+                d.plans[key] = plan  # most recent last
+                while len(d.plans) > 4:
+                    d.plans.pop(next(iter(d.plans)))
             except LayoutError as e:
                 raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
             self.progress_total = plan.total_bytes
             try:
-                backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(lr.devices)))
+                backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)))
             except BackendError as e:
                 raise UpdateFailed(f"{e}; nothing transferred") from None
             # CONNECT: reuse the session while membership is unchanged.
             phases = record.phase_seconds
             phases["negotiate"] = time.monotonic() - t0
             self.phase = d.phase = "CONNECT"
+            faults.at_phase("trainer", "CONNECT", workers=self.hub)
             # Inference membership too: a worker restarted there must not be handed a session its
             # peers cached with the dead process.
-            key = (lr.fingerprint, lr.membership, src.fingerprint(), self.hub.generation, backend)
+            key = (dst_fp, self._membership, src_fp, self.hub.generation, backend)
             if d.session is None or d.session[1] != key:
                 sid, nccl_id = uuid.uuid4().hex[:12], b""
                 if backend == "nccl":  # a fresh id per session (so per retry): trainer worker 0 hosts its root
@@ -453,21 +521,22 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
                                  src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2])
             left = deadline - time.monotonic()
-            try:
-                await d.stub.BeginUpdate(pb.BeginUpdateRequest(
-                    update_id=uid, version=version, src_layout=src.to_bytes(), plan_digest=plan.digest, session=session,
-                    timeout_s=left, mode=mode, bucket_bytes=self.bucket_bytes, tensors=names, epoch=self.epoch,
-                    allow_rollback=self.allow_rollback),
-                    timeout=min(left, self.deadlines.rpc_s * 2))
-            except grpc.aio.AioRpcError as e:
-                raise UpdateFailed(f"inference refused the update: {e.details()}") from None
+            begin = pb.BeginUpdateRequest(
+                update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=left, mode=mode,
+                bucket_bytes=self.bucket_bytes, tensors=names, epoch=self.epoch, allow_rollback=self.allow_rollback,
+                src_fingerprint=src_fp)
+            await self._begin_update(d, begin, src_bytes, deadline)
             began = True
-            prep = wpb.Prepare(update_id=uid, version=version, src_layout=src.to_bytes(), dst_layout=lr.layout,
-                               plan_digest=plan.digest, session=session, timeout_s=deadline - time.monotonic(), mode=mode,
-                               bucket_bytes=self.bucket_bytes, tensors=names)
-            await self.hub.call_all(self.deadlines.rpc_s, prepare=prep)
+            prep = wpb.Prepare(update_id=uid, version=version, plan_digest=plan.digest, session=session,
+                               timeout_s=deadline - time.monotonic(), mode=mode, bucket_bytes=self.bucket_bytes, tensors=names,
+                               src_fingerprint=src_fp, dst_fingerprint=dst_fp)
+            # A cold prepare plans (seconds at scale): it has the update's deadline, and fails at once
+            # if a worker goes silent.
+            await self.hub.prepare_all(max(self.deadlines.rpc_s, deadline - time.monotonic()), prep,
+                                       {src_fp: src_bytes, dst_fp: dst_bytes})
             # TRANSFER
             self.phase = d.phase = "TRANSFER"
+            faults.at_phase("trainer", "TRANSFER", workers=self.hub)
             t_transfer = time.monotonic()
             phases["connect"] = t_transfer - t0 - phases["negotiate"]
             while len(self._done) < self.hub.world:
@@ -492,16 +561,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             record.transfer_seconds = time.monotonic() - t_transfer
             # VERIFY + COMMIT (on inference, all ranks or none)
             self.phase = d.phase = "VERIFY"
-            expected: dict[tuple, int] = {}
-            for td in self._done.values():
-                for c in td.checksums:
-                    k = (c.rank, c.buffer, c.piece)
-                    expected[k] = (expected.get(k, 0) + c.value) % P
-            req = pb.FinishUpdateRequest(update_id=uid)
-            for (r, b, i), v in sorted(plan.expected_checksums(expected).items()):
-                req.expected.add(rank=r, buffer=b, piece=i, value=v)
+            faults.at_phase("trainer", "VERIFY", workers=self.hub)
+            reports = [td.checksums for td in self._done.values() if td.HasField("checksums")]
+            values = await asyncio.get_running_loop().run_in_executor(None, verify.merge_reports, plan, reports)
+            req = pb.FinishUpdateRequest(update_id=uid, expected=verify.dense(plan, values))
+            self.hub.meter.add("FinishUpdateRequest", req)
             began = False  # from here inference owns the outcome: it commits on every rank or aborts itself
             rep = await self._finish_update(d, req, deadline)
+            faults.at_phase("trainer", "COMMIT", workers=self.hub)  # committed on inference, not yet here
             self.phase = d.phase = "DONE"
             d.committed, d.repair = rep.committed, False
             d.last_error = ""
@@ -511,6 +578,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             record.bytes, record.requests_during = rep.bytes, rep.requests_during
             record.tensors = len(names) if names else len(dst.tensors)
             record.seconds = time.monotonic() - t0
+            self.hub.meter.add("FinishUpdateReply", rep)
+            self.hub.meter.record(record)
             log.info("update %s committed in %.2fs (%s, %d bytes)", _v(version), record.seconds, mode, rep.bytes)
             self.history.append(record)
             return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
@@ -528,6 +597,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 except grpc.aio.AioRpcError as e2:
                     log.warning("abort on inference failed: %s", status_error(e2))
             record.ok, record.error, record.seconds = False, msg, time.monotonic() - t0
+            self.hub.meter.record(record)
             self.history.append(record)
             return pb.UpdateOutcome(ok=False, error=msg, record=record)
         finally:

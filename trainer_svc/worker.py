@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from reshard.common import faults
 from reshard.common.layout import LocalBuffer, TensorSpec
 from reshard.common.worker import WorkerBase
 from reshard.proto import reshard_pb2 as pb
@@ -105,6 +106,7 @@ class TrainerWorker(WorkerBase):
 
     async def _on_release(self, r: wpb.Release, cid: int) -> None:
         """The controller is done with every version up to r.version on every deployment."""
+        faults.at_phase("trainer-worker", "COMMIT", self.rank)
         self._release_upto(r.version.step)
 
     def stop(self) -> None:

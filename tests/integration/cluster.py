@@ -61,6 +61,20 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 20) -> None:
             p.wait()
 
 
+def live_members(pgid: int) -> list[int]:
+    """Processes of a process group that have not exited (zombies waiting for init do not count)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
 def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, "-m", "reshard.cli", *args], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import site
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from reshard.common.supervisor import Supervisor, module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
-from .cluster import free_port, stop_processes
+from .cluster import free_port, live_members, stop_processes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -105,6 +106,53 @@ def test_worker_that_ran_long_enough_starts_with_a_clean_budget():
         return state
 
     assert asyncio.run(go()) != "FAILED"  # every exit came after a healthy run: restarted each time
+
+
+def test_worker_that_attached_is_restarted_however_soon_it_dies():
+    """Killed after it attached (kill -9, a fault), a worker had a clean start: never given up."""
+    sup = Supervisor("inference", 1, lambda rank: [sys.executable, "-c", "import time; time.sleep(0.3)"],
+                     delay=0.01, max_failures=2, poll=0.02)
+
+    async def go():
+        task = asyncio.get_running_loop().create_task(sup.run())
+        told = set()
+        while sup.starts < 4:
+            proc = sup.ranks[0].proc
+            if proc is not None and proc.pid not in told:
+                told.add(proc.pid)
+                sup.attached(0, proc.pid)  # what the hub says when its hello arrives
+            assert sup.state(0) != "FAILED", sup.error(0)
+            await asyncio.sleep(0.01)
+        sup.stopping = True
+        await task
+        await sup.stop()
+
+    asyncio.run(go())
+
+
+def test_standalone_worker_stops_when_its_controller_is_gone():
+    """A controller killed with SIGKILL leaves its workers behind: they stop by themselves (the
+    controller, re-run, starts its own; an orphan would take its rank back from them)."""
+    worker = ("import threading; from reshard.common.supervisor import stop_with_supervisor\n"
+              "stop = threading.Event(); stop_with_supervisor(stop, every=0.05); stop.wait(60)")
+    controller = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], "
+                  "env={**os.environ, 'RESHARD_SUPERVISOR_PID': str(os.getpid())}); time.sleep(60)")
+    ctl = subprocess.Popen([sys.executable, "-c", controller], start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while len(live_members(ctl.pid)) < 2:
+            assert time.monotonic() - t0 < 30, "the worker did not start"
+            time.sleep(0.05)
+        ctl.kill()
+        ctl.wait()
+        t0 = time.monotonic()
+        while live_members(ctl.pid):
+            assert time.monotonic() - t0 < 10, "the worker outlived its controller"
+            time.sleep(0.05)
+    finally:
+        stop_processes([ctl])
+        for pid in live_members(ctl.pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.integration

@@ -202,7 +202,10 @@ def test_commit_is_owned_by_finish_update_and_a_retry_gets_its_outcome():
 
 def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version():
     """An inference worker killed after step N comes back with its checkpoint: it must not serve
-    (held, the deployment DEGRADED) and is brought back to step N at once, not at the next step."""
+    (held, the deployment DEGRADED) and is brought back to step N at once, not at the next step.
+    Also defect 10: the repair must open a new data-plane session (the inference membership
+    changed), never hand the restarted process the session its peers cached with the dead one:
+    that repair would wait out the update deadline and fail first."""
     c = Cluster("tiny", inference_workers=2)
     try:
         rc, out, err = c.update()
@@ -219,6 +222,8 @@ def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version()
         assert set(rank1["requests_by_version"]) <= {f"run1:{step}"}, rank1  # never served its checkpoint
         assert took < 30, took
         print(f"kill to repaired: {took:.1f}s")
+        failed = [h for h in c.status("trainer")["history"] if not h["ok"]]
+        assert not failed, failed  # the repair succeeded at its first try
         got, version = dump_from(c.inf, "model.layers.0.self_attn.q_proj.weight")
         assert version == {"run": "run1", "step": step}
         assert torch.equal(got, c.expected("model.layers.0.self_attn.q_proj.weight", step))

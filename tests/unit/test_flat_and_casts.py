@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.common.checksum import P
+from reshard.common import verify
 from reshard.common.engine import Engine, StagingPool, execute_in_memory, receiver_checksums
 from reshard.common.layout import (
     Box,
@@ -424,15 +425,25 @@ def run_engines(plan, src: Layout, dst: Layout, sbufs, dbufs, shapes) -> None:
     wire: dict = {}
     deadline = time.monotonic() + 60
     sent: dict = defaultdict(int)
+    reports = []
     for r in range(src.world):
-        for k, c in Engine(Loopback(r, wire), plan, "src", r, sbufs[r], shapes, StagingPool(), deadline).run().items():
+        sums = Engine(Loopback(r, wire), plan, "src", r, sbufs[r], shapes, StagingPool(), deadline).run()
+        reports.append(verify.sender_report(plan, sums))
+        for k, c in sums.items():
             sent[k] = (sent[k] + c) % P
     sent = plan.expected_checksums(sent)  # replicas fed by relays mirror their primary
+    values = verify.merge_reports(plan, reports)  # the control plane's compact form of the same sums
     for d in range(dst.world):
-        Engine(Loopback(src.world + d, wire), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline).run()
+        landed = Engine(Loopback(src.world + d, wire), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline,
+                        receiver_sums=True).run()
         pieces = {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
         got = receiver_checksums(plan, d, dbufs[d], pieces, shapes)
         assert got == {k: v for k, v in sent.items() if k[0] == d}, f"dst rank {d}: checksums differ"
+        assert {k: v for k, v in got.items() if k in landed} == landed, f"dst rank {d}: sums taken as bytes landed differ"
+        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), dbufs[d], pieces, shapes)
+        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), dbufs[d], pieces, shapes, landed=landed)
+        keys, _ = plan.verify_pieces(d)
+        assert {(d, b, i) for b, i in keys} >= set(got), f"dst rank {d}: verifies fewer pieces than it receives"
     assert not wire, "messages sent but never received"
 
 

@@ -247,3 +247,40 @@ def test_wire_form_is_columns_and_reads_the_json_forms():
     for bad in [data[:len(data) // 2], WIRE_MAGIC + zlib.compress(raw[:-16]), *bad_heads]:
         with pytest.raises(LayoutError, match="malformed layout"):
             Layout.from_bytes(bad)
+
+
+@pytest.mark.parametrize("model,spec", [("tiny-moe", "framework=vllm,tp=2,dp=2,ep=1"), ("tiny-mla", "framework=megatron,tp=2,pp=2,dp=2"),
+                                        ("tiny", "framework=fsdp,dp=3")])
+def test_rank_layouts_merge_in_columns_into_the_built_layout(model, spec):
+    """A controller assembles its side's layout from its workers' hellos without making Python
+    pieces: the result equals the layout the builder made (content, fingerprint, plan digest)."""
+    from reshard.common.columns import ColumnRanks, merge_ranks
+    from reshard.common.layout import Layout
+    from reshard.common.worker import rank_layout_bytes
+
+    lay = build(model, spec)
+    hellos = [rank_layout_bytes(lay.tensors, list(lay.ranks[r])) for r in range(lay.world)]
+    parts, index = [], {}
+    rank_part = [index.setdefault(h, len(index)) for h in hellos]
+    parts = [Layout.from_bytes(h) for h in index]
+    merged = merge_ranks(parts, rank_part)
+    assert isinstance(merged.ranks, ColumnRanks) and len(merged.ranks.classes) == len(parts) <= lay.world
+    assert merged.fingerprint() == lay.fingerprint()
+    assert tuple(merged.ranks) == tuple(lay.ranks) and merged.tensors == lay.tensors
+    other = build(model, "framework=fsdp,dp=2")
+    assert make_plan(merged, other).digest == make_plan(lay, other).digest
+
+
+def test_rank_layouts_that_disagree_on_a_tensor_are_refused():
+    from reshard.common.columns import merge_ranks
+    from reshard.common.layout import Layout, TensorSpec
+    from reshard.common.worker import rank_layout_bytes
+
+    lay = build("tiny", "framework=megatron,tp=2")
+    name = lay.ranks[1][0].pieces[0].tensor
+    bad = dict(lay.tensors)
+    bad[name] = TensorSpec(name, tuple(s + 1 for s in bad[name].shape), bad[name].dtype)
+    parts = [Layout.from_bytes(rank_layout_bytes(lay.tensors, list(lay.ranks[0]))),
+             Layout.from_bytes(rank_layout_bytes(bad, list(lay.ranks[1])))]
+    with pytest.raises(LayoutError, match=f"tensor '{name}': rank 1 declares"):
+        merge_ranks(parts, [0, 1])

@@ -1,0 +1,118 @@
+"""Verification in compact arrays (common/verify.py): the sums that sources report as (slot,
+value) pairs, merged over the plan's slots and cut per destination rank, accept exactly the
+bytes the sources sent and reject any other, on real framework layouts with relayed replicas."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from reshard.common import verify
+from reshard.common.checksum import P, box_checksum
+from reshard.common.engine import Engine, StagingPool
+from reshard.common.frameworks import build, model_spec
+from reshard.common.layout import LayoutError
+from reshard.common.planner import PlanOptions, make_plan
+from tests.unit.loopback import Loopback
+from tests.unit.test_frameworks import canonical, fill_from
+
+PAIRS = [("tiny-moe", "framework=megatron,tp=2,dp=2,ep=2", "framework=vllm,tp=2,dp=2,ep=1"),
+         ("tiny-mla", "framework=fsdp,dp=3", "framework=vllm,tp=2,dp=2"),
+         ("tiny", "framework=megatron,tp=2", "framework=vllm,tp=1,dp=3")]
+
+
+def transfer(model, src_spec, dst_spec, tensors=None):
+    m = model_spec(model)
+    src, dst = build(m, src_spec), build(m, dst_spec)
+    full = canonical(m)
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=8192, direct_min_bytes=1024), tensors)
+    shapes = {n: t.shape for n, t in m.tensors().items()}
+    wire: dict = {}
+    deadline = time.monotonic() + 60
+    reports = [verify.sender_report(plan, Engine(Loopback(r, wire), plan, "src", r, bufs, shapes, StagingPool(), deadline).run())
+               for r, bufs in enumerate(fill_from(src, full))]
+    got = [{n: torch.zeros_like(t) for n, t in bufs.items()} for bufs in fill_from(dst, full)]
+    landed = [Engine(Loopback(src.world + d, wire), plan, "dst", d, got[d], shapes, StagingPool(), deadline,
+                     receiver_sums=True).run() for d in range(dst.world)]
+    transfer.landed = landed
+    return plan, dst, full, shapes, reports, got
+
+
+def pieces_of(dst, d):
+    return {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
+
+
+@pytest.mark.parametrize("model,src,dst", PAIRS)
+def test_every_rank_verifies_every_piece_against_an_independent_checksum(model, src, dst):
+    plan, layout, full, shapes, reports, got = transfer(model, src, dst)
+    assert plan.primary_of, "the pairs are chosen to have replicas fed by relays"
+    values = verify.merge_reports(plan, reports)
+    for d in range(layout.world):
+        expected = verify.rank_expected(plan, d, values)
+        verify.check_rank(plan, d, expected, got[d], pieces_of(layout, d), shapes)
+        verify.check_rank(plan, d, expected, got[d], pieces_of(layout, d), shapes, landed=transfer.landed[d])
+        # Independent: each piece's checksum computed from the canonical tensors, in the rank's order.
+        keys, _ = plan.verify_pieces(d)
+        assert sorted(keys) == sorted(pieces_of(layout, d)), "a rank verifies every piece it holds"
+        want = [box_checksum(full[p.tensor][p.box.slices()], p.box.offset, shapes[p.tensor])
+                for p in (pieces_of(layout, d)[k] for k in keys)]
+        assert np.frombuffer(expected.values, dtype="<u4").tolist() == want
+
+
+@pytest.mark.parametrize("model,src,dst", PAIRS[:2])
+def test_one_wrong_element_or_one_wrong_sum_is_named(model, src, dst):
+    plan, layout, full, shapes, reports, got = transfer(model, src, dst)
+    values = verify.merge_reports(plan, reports)
+    d = max(plan.primary_of)  # a replica: it checks its head's slots
+    keys, _ = plan.verify_pieces(d)
+    bname, i = keys[len(keys) // 2]
+    piece = pieces_of(layout, d)[(bname, i)]
+    view = piece.view(got[d][bname]).reshape(-1)
+    view[0] = view[0] + 1
+    with pytest.raises(LayoutError, match=f"inference rank {d}: tensor '{piece.tensor}'"):
+        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], pieces_of(layout, d), shapes)
+    view[0] = view[0] - 1
+    if transfer.landed[d]:  # what the engine summed as bytes landed is compared the same way
+        landed = dict(transfer.landed[d])
+        k = next(iter(landed))
+        landed[k] = (landed[k] + 1) % P
+        with pytest.raises(LayoutError, match="checksum mismatch"):
+            verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], pieces_of(layout, d), shapes,
+                              landed=landed)
+    bad = values.copy()
+    bad[0] = (int(bad[0]) + 1) % P
+    failed = 0
+    for r in range(layout.world):
+        try:
+            verify.check_rank(plan, r, verify.rank_expected(plan, r, bad), got[r], pieces_of(layout, r), shapes)
+        except LayoutError:
+            failed += 1
+    assert failed >= 1
+
+
+def test_partial_update_verifies_only_its_tensors():
+    m = model_spec("tiny")
+    names = {n for n in m.tensors() if "layers.0." in n}
+    plan, layout, full, shapes, reports, got = transfer("tiny", "framework=megatron,tp=2", "framework=vllm,tp=1,dp=3", names)
+    values = verify.merge_reports(plan, reports)
+    for d in range(layout.world):
+        keys, _ = plan.verify_pieces(d)
+        assert keys and all(pieces_of(layout, d)[k].tensor in names for k in keys)
+        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], pieces_of(layout, d), shapes)
+
+
+def test_reports_are_checked_against_the_plan():
+    plan, layout, full, shapes, reports, got = transfer(*PAIRS[2])
+    with pytest.raises(LayoutError, match="not a slot"):
+        verify.sender_report(plan, {(0, "no.such.buffer", 0): 1})
+    assert verify.sender_report(plan, {(0, "no.such.buffer", 0): 1}, strict=False).slots == b""
+    other = reports[0].__class__(plan_digest="0" * 16, slots=reports[0].slots, values=reports[0].values)
+    with pytest.raises(LayoutError, match="are for plan"):
+        verify.merge_reports(plan, [other])
+    out = reports[0].__class__(plan_digest=plan.digest, slots=np.array([plan.num_checksum_slots], "<u4").tobytes(),
+                               values=np.array([1], "<u4").tobytes())
+    with pytest.raises(LayoutError, match="outside the plan"):
+        verify.merge_reports(plan, [out])
+    with pytest.raises(LayoutError, match="expected checksums"):
+        verify.check_rank(plan, 0, verify.dense(plan, np.zeros(1, np.uint32)), got[0], pieces_of(layout, 0), shapes)
