@@ -237,6 +237,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     return cur.begin_reply
             if req.update_id in self.finished:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"update {req.update_id} already finished")
+            if not req.src_layout and req.src_fingerprint not in self._sources:
+                # before any state changes: the trainer resends under the same update id
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"source layout {req.src_fingerprint or '(no fingerprint)'} is not held here: send it")
             if req.epoch < self.epoch:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"fenced: trainer controller epoch {req.epoch} is older than epoch {self.epoch}, which "

@@ -286,9 +286,19 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 except grpc.aio.AioRpcError:
                     continue
                 self._learned(d, st)
+                v = self.published
+                if (st.has_version and d.committed is not None and _v(st.version) != _v(d.committed)
+                        and not any(w.state not in ("READY", "HELD") for w in st.workers)):
+                    # It lost what we committed there (its controller and workers restarted from their
+                    # checkpoint): it no longer has that version, so push again what we hold.
+                    log.warning("deployment %s serves %s, not %s committed there: it restarted", d.address,
+                                _v(st.version), _v(d.committed))
+                    d.committed = pb.Version(run=st.version.run, step=st.version.step)
+                    if v is not None and not self.auto_push:
+                        self._request(v, "reshard")
+                    continue
                 if not st.needs_repair or any(w.state not in ("READY", "HELD") for w in st.workers):
                     continue
-                v = self.published
                 if v is None or self.auto_push:
                     if d.address not in warned:
                         warned.add(d.address)
