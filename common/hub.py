@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from reshard.common.layout import Layout
+from reshard.common.rpc import keep_task
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
@@ -100,6 +101,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.supervisor = None  # common.supervisor.Supervisor, when this controller runs standalone workers
         self.default_run = ""  # the run of versions a worker reports without one (a trainer made without run=)
         self.meter = ControlMeter()  # the controller resets it when an update begins
+        self._layout: tuple[int, asyncio.Future] | None = None  # (generation, (layout, fingerprint, bytes))
+        self._tasks: set[asyncio.Task] = set()
 
     def own(self, v: pb.Version) -> pb.Version:
         """A version a worker reported, with this controller's run filled in when it gave none."""
@@ -147,6 +150,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             self.supervisor.attached(h.rank, h.pid)
         if self.on_attach:
             self.on_attach(conn)
+        if self.complete():  # build the layout now, not inside the first update's deadline
+            keep_task(self._tasks, self._prewarm())
         await self._notify()
 
         async def reader() -> None:
@@ -174,6 +179,26 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             if self.workers.get(h.rank) is conn:
                 self._drop(conn, "its stream ended")
                 await self._notify()
+
+    async def layout(self) -> tuple[Layout, str, bytes]:
+        """This side's layout from its workers' hellos, with its fingerprint and bytes: built off
+        the loop once per membership (callers at the same time share the one build)."""
+        gen = self.generation
+        if self._layout is None or self._layout[0] != gen:
+            conns = self.alive()
+
+            def build() -> tuple[Layout, str, bytes]:
+                lay = merge_rank_layouts(conns)
+                return lay, lay.fingerprint(), lay.to_bytes()
+
+            self._layout = (gen, asyncio.get_running_loop().run_in_executor(None, build))
+        return await asyncio.shield(self._layout[1])
+
+    async def _prewarm(self) -> None:
+        try:
+            await self.layout()
+        except Exception as e:  # noqa: BLE001 - the call that needs the layout reports it
+            log.debug("building the %s layout failed: %s", self.role, e)
 
     def _drop(self, conn: WorkerConn, why: str) -> None:
         if not conn.alive:

@@ -400,32 +400,26 @@ class Plan:
         """The plan's slots as sorted composite keys (int64): slot i is checksum_keys()[i]."""
         keys = self._memo.get("checksum_keys")
         if keys is None:
-            m, g = self._m, self._g
-            direct = np.flatnonzero(~m["relay"])
-            lo, hi = m["lo"][direct], m["hi"][direct]
-            n = hi - lo
-            seg = np.repeat(lo - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(int(n.sum()))
-            dst = np.repeat(m["dst"][direct], n)
-            piece = g["piece"][seg]
-            ok = piece >= 0
-            nb, npc = self._key_scale()
-            keys = np.unique((dst[ok].astype(np.int64) * nb + g["dbuf"][seg][ok]) * npc + piece[ok])
+            keys = self._source_keys(~self._m["relay"])
             keys.flags.writeable = False
             self._memo["checksum_keys"] = keys
         return keys
 
     def source_slots(self, src: int) -> np.ndarray:
         """The slots source rank `src` reports sums for (sorted): those of the pieces it sends to."""
+        return np.searchsorted(self.checksum_keys(), self._source_keys(~self._m["relay"] & (self._m["src"] == src)))
+
+    def _source_keys(self, messages: np.ndarray) -> np.ndarray:
+        """The sorted, unique composite keys of the destination pieces the selected messages
+        (a boolean mask) carry segments of."""
         m, g = self._m, self._g
-        mine = np.flatnonzero(~m["relay"] & (m["src"] == src))
-        lo, hi = m["lo"][mine], m["hi"][mine]
-        n = hi - lo
+        sel = np.flatnonzero(messages)
+        lo, n = m["lo"][sel], m["hi"][sel] - m["lo"][sel]
         seg = np.repeat(lo - np.concatenate(([0], np.cumsum(n)[:-1])), n) + np.arange(int(n.sum()))
-        dst, piece = np.repeat(m["dst"][mine], n), g["piece"][seg]
+        dst, piece = np.repeat(m["dst"][sel], n), g["piece"][seg]
         ok = piece >= 0
         nb, npc = self._key_scale()
-        comp = np.unique((dst[ok].astype(np.int64) * nb + g["dbuf"][seg][ok]) * npc + piece[ok])
-        return np.searchsorted(self.checksum_keys(), comp)
+        return np.unique((dst[ok].astype(np.int64) * nb + g["dbuf"][seg][ok]) * npc + piece[ok])
 
     @property
     def num_checksum_slots(self) -> int:

@@ -14,7 +14,7 @@ import uuid
 
 import grpc
 
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, merge_rank_layouts, serve_controller
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, serve_controller
 from reshard.common.layout import Layout, LayoutError, dtype_of
 from reshard.common import faults, verify
 from reshard.common.planner import Plan, PlanOptions, make_plan
@@ -68,13 +68,12 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.hub, self.model, self.deadlines = hub, model, deadlines
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
-        hub.on_attach = self._on_attach
+        hub.on_attach = lambda conn: self._reconcile()
         hub.on_stale = self._on_stale
         self.update: _Update | None = None
         self.committed: pb.Version | None = None
         self.history: list[pb.UpdateRecord] = []
         self.last_error = ""
-        self._built: tuple[int, asyncio.Future] | None = None  # (hub generation, (layout, fingerprint, bytes) being built)
         self._sources: collections.OrderedDict[str, tuple[Layout, bytes]] = collections.OrderedDict()  # by fingerprint
         self._plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self._lock = asyncio.Lock()
@@ -85,25 +84,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.epoch = 0  # the newest trainer controller epoch seen: older ones are fenced out
 
     # -- state -----------------------------------------------------------------------------
-    async def _layout_bytes(self) -> tuple[Layout, str, bytes]:
-        """This deployment's layout with its fingerprint and bytes: built off the loop, once per
-        membership (callers at the same time share the one build)."""
-        gen = self.hub.generation
-        if self._built is None or self._built[0] != gen:
-            def build() -> tuple[Layout, str, bytes]:
-                lay = merge_rank_layouts(conns)
-                return lay, lay.fingerprint(), lay.to_bytes()
-
-            conns = self.hub.alive()
-            self._built = (gen, asyncio.get_running_loop().run_in_executor(None, build))
-        return await asyncio.shield(self._built[1])
-
-    async def _prewarm(self) -> None:
-        try:
-            await self._layout_bytes()
-        except Exception as e:  # noqa: BLE001 - GetLayout reports it
-            log.debug("building the layout failed: %s", e)
-
     async def _source_layout(self, req: pb.BeginUpdateRequest) -> tuple[Layout, bytes]:
         """The trainer's layout and its bytes: sent with its first BeginUpdate, then named by fingerprint."""
         fp = req.src_fingerprint
@@ -131,11 +111,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         while len(self._plans) > 4:
             self._plans.popitem(last=False)
         return plan
-
-    def _on_attach(self, conn: WorkerConn) -> None:
-        self._reconcile()
-        if self.hub.complete():  # build the layout now, not inside the first GetLayout's deadline
-            keep_task(self._tasks, self._prewarm())
 
     def _on_event(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
         u = self.update
@@ -214,7 +189,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def GetLayout(self, request, context):
         try:
             await self.hub.wait_complete(self.deadlines.rpc_s)
-            _, fp, data = await self._layout_bytes()
+            _, fp, data = await self.hub.layout()
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.LayoutReply(model=self.model, layout=b"" if request.known_fingerprint == fp else data, fingerprint=fp,
@@ -283,7 +258,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)
                 self._reconcile()
-                dst, dst_fp, dst_bytes = await self._layout_bytes()
+                dst, dst_fp, dst_bytes = await self.hub.layout()
                 src, src_bytes = await self._source_layout(req)
                 plan = await self._plan(src, dst, req)
                 u.tensors = len(req.tensors) if req.tensors else len(dst.tensors)
@@ -471,7 +446,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if not req.tensor:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DumpRequest.tensor is required")
         try:
-            layout, _, _ = await self._layout_bytes()
+            layout, _, _ = await self.hub.layout()
         except LayoutError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         spec = layout.tensors.get(req.tensor)

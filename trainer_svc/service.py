@@ -17,10 +17,10 @@ import grpc
 
 from reshard.common import faults, verify
 from reshard.common.backend import BACKENDS, BackendError, select_backend
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, merge_rank_layouts, serve_controller
+from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
-from reshard.common.rpc import Deadlines, channel, keep_task, parse_address, run_main, status_error
+from reshard.common.rpc import Deadlines, channel, parse_address, run_main, status_error
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -98,8 +98,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._done: dict[int, wpb.TransferDone] = {}
         self._update_id = ""
         self._done_event = asyncio.Event()
-        self._src: tuple[int, asyncio.Future] | None = None  # (hub generation, this side's layout being built or built)
-        self._tasks: set[asyncio.Task] = set()
         self._devices: list[str] = []  # the deployment being updated: its workers' devices, its membership
         self._membership = ""
 
@@ -131,8 +129,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     def _on_attach(self, conn: WorkerConn) -> None:
         """A restarted controller recovers what its workers published (their hellos carry it): an
         embedded trainer whose publish reached the dead controller still gets it pushed."""
-        if self.hub.complete():  # build this side's layout now, not inside the first update
-            keep_task(self._tasks, self._prewarm())
         versions = {_v(w.version): w.version for w in self.hub.alive() if w.version is not None}
         if not self.hub.complete() or len(versions) != 1 or any(w.version is None for w in self.hub.alive()):
             return
@@ -414,25 +410,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     continue
                 raise UpdateFailed(e.details()) from None  # inference aborted it itself, or the deadline passed
 
-    async def _source_layout(self) -> tuple[str, Layout, bytes]:
-        """This side's layout from its workers' hellos, with its fingerprint and bytes: built off
-        the loop, once per membership (callers at the same time share the one build)."""
-        gen = self.hub.generation
-        if self._src is None or self._src[0] != gen:
-            def build() -> tuple[str, Layout, bytes]:
-                src = merge_rank_layouts(conns)
-                return src.fingerprint(), src, src.to_bytes()
-
-            conns = self.hub.alive()
-            self._src = (gen, asyncio.get_running_loop().run_in_executor(None, build))
-        return await asyncio.shield(self._src[1])
-
-    async def _prewarm(self) -> None:
-        try:
-            await self._source_layout()
-        except Exception as e:  # noqa: BLE001 - the update that needs it reports it
-            log.debug("building this side's layout failed: %s", e)
-
     async def _dest_layout(self, d: Deployment) -> tuple[str, Layout, bytes]:
         """The deployment's layout; only its fingerprint travels while it is unchanged."""
         known = d.dst[0] if d.dst else ""
@@ -490,7 +467,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.hub.meter.reset()
             await self.hub.wait_complete(self.deadlines.rpc_s)
             loop = asyncio.get_running_loop()
-            src_fp, src, src_bytes = await self._source_layout()
+            src, src_fp, src_bytes = await self.hub.layout()
             dst_fp, dst, dst_bytes = await self._dest_layout(d)
             opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
             try:
