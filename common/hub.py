@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import grpc
 
 from reshard.common.layout import Layout
 from reshard.common.rpc import keep_task
+from reshard.common.supervisor import CONTROLLER_PID_KEY
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
@@ -139,6 +141,12 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {h.role} worker attached to the {self.role} controller")
         if not 0 <= h.rank < self.world or h.world != self.world:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker rank {h.rank} of world {h.world} does not fit this deployment of {self.world} workers")
+        sup = self.supervisor
+        if sup is not None and not sup.accepts(h.rank, h.pid):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"{self.role} rank {h.rank} is held by worker pid {sup.holder(h.rank)}, not pid {h.pid}")
+        # Who adopted it: a worker whose controller died waits for a restarted one (common/supervisor.py).
+        await context.send_initial_metadata(((CONTROLLER_PID_KEY, str(os.getpid())),))
         old = self.workers.get(h.rank)
         if old is not None and old.alive:
             self._drop(old, "replaced by a new worker of the same rank")
@@ -242,9 +250,19 @@ class WorkerHub(wgrpc.WorkerControlServicer):
     async def watch_stale(self, after: float) -> None:
         """Flag workers that sent nothing (heartbeats come every 0.5 s) for `after` seconds: a frozen
         process keeps its stream open, so only its silence tells."""
+        period = min(0.25, after / 4)
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(min(0.25, after / 4))
+            await asyncio.sleep(period)
             now = time.monotonic()
+            if now - last > max(1.0, after / 2):
+                # This controller did not run meanwhile (frozen, or its host stalled): the silence is
+                # its own. Its workers' heartbeats wait in the socket; give each a fresh window.
+                log.warning("%s controller did not run for %.1fs: not judging its workers' silence for that time",
+                            self.role, now - last)
+                for w in self.alive():
+                    w.last_seen = max(w.last_seen, now)
+            last = now
             for w in self.alive():
                 if not w.stale and now - w.last_seen > after:
                     w.stale = True
@@ -390,7 +408,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     health and reflection), its background coroutines, and (when `command` is given) standalone
     workers as supervised processes. Shutdown: health NOT_SERVING, workers stopped, server drained."""
     from reshard.common.rpc import start_server, stop_server
-    from reshard.common.supervisor import Supervisor
+    from reshard.common.supervisor import Supervisor, run_file
     from reshard.proto import worker_pb2_grpc as wgrpc
 
     def register(server):
@@ -404,7 +422,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     log.info("%s", banner(addr))
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(coro) for coro in (*background, hub.watch_stale(worker_timeout))]
-    sup = Supervisor(hub.role, hub.world, lambda rank: command(addr, rank)) if command else None
+    sup = Supervisor(hub.role, hub.world, lambda rank: command(addr, rank), run_file=run_file(hub.role, addr)) if command else None
     hub.supervisor = sup
     if sup:
         tasks.append(loop.create_task(sup.run()))

@@ -4,17 +4,28 @@ A worker that keeps dying soon after it starts (before it attaches to its contro
 not restarted forever: each quick failure doubles the wait before the next start (up to
 `max_delay`), and after `max_failures` quick failures in a row the rank is given up (state
 FAILED) with its exit status and the last lines of its stderr, which the controllers show in
-`status` and in errors such as "workers [0, 1] are not attached". The workers stop when their
-controller is gone: restarted, it starts its own."""
+`status` and in errors such as "workers [0, 1] are not attached".
+
+A controller that dies (SIGKILL, a crash) leaves its workers running with the weights they hold.
+Re-run with the same command line, it adopts them instead of starting new ones: each Supervisor
+records its workers (pid and command line) in a small run file keyed by role and address
+(`run_file`); the next one reads it, waits up to `adopt_s` for each recorded worker that still
+runs to attach again (workers reconnect within 2 s), and starts new processes only for the
+others. A worker left without a controller (`watch_controller`) keeps what it holds for
+`RESHARD_ORPHAN_GRACE_S` seconds (default 60) and stops if no controller has adopted it by then."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import os
+import re
+import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,21 +40,89 @@ _BOOT = ("import runpy, sys; del sys.path[0]; m = sys.argv.pop(1); "
 SUPERVISOR_PID = "RESHARD_SUPERVISOR_PID"  # set in the environment of the workers a Supervisor starts
 
 
-def stop_with_supervisor(stop: threading.Event, every: float = 0.5) -> None:
-    """In a standalone worker: set `stop` once the controller that started it is gone (killed,
-    say). That controller, restarted, starts workers of its own; an orphan left running would
-    take its rank back from them, again and again. A worker started by hand is left alone."""
-    pid = os.environ.get(SUPERVISOR_PID, "")
-    if not pid.isdigit():
+ORPHAN_GRACE = "RESHARD_ORPHAN_GRACE_S"  # seconds a worker whose controller died waits to be adopted
+CONTROLLER_PID_KEY = "reshard-controller-pid"  # initial metadata of a worker stream: who adopted the worker
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie waiting to be reaped does not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc")  # gone meanwhile, or a system without /proc
+    except (OSError, IndexError):
+        return True
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return None
+
+
+def watch_controller(stop: threading.Event, controller_pid: Callable[[], int], refused: Callable[[], bool] = lambda: False,
+                     every: float = 0.5, grace: float | None = None) -> None:
+    """In a standalone worker started by a controller: set `stop` once it has had no live controller
+    for `grace` seconds (RESHARD_ORPHAN_GRACE_S, default 60). Its controller is the process that
+    started it, or the one it attached to last (`controller_pid()`, 0 for none): a restarted
+    controller adopts the workers its predecessor left. An orphan whose rank another worker holds
+    (`refused()`) stops at once. A worker started by hand is left alone."""
+    parent = os.environ.get(SUPERVISOR_PID, "")
+    if not parent.isdigit():
         return
+    if grace is None:
+        try:
+            grace = float(os.environ.get(ORPHAN_GRACE, "60"))
+        except ValueError:
+            grace = 60.0
+
+    def has_controller() -> bool:
+        if os.getppid() == int(parent):
+            return True
+        pid = controller_pid()
+        return pid != int(parent) and pid_alive(pid)
 
     def watch() -> None:
+        since = None  # when it lost its controller
         while not stop.wait(every):
-            if os.getppid() != int(pid):
-                log.warning("controller pid %s is gone: stopping", pid)
+            if has_controller():
+                if since is not None:
+                    log.warning("adopted by controller pid %d", controller_pid())
+                since = None
+                continue
+            now = time.monotonic()
+            if since is None:
+                since = now
+                log.warning("controller pid %s is gone: keeping this worker for %.0fs for a restarted controller to adopt",
+                            controller_pid() or parent, grace)
+            if refused():
+                log.warning("another worker holds this rank at the restarted controller: stopping")
+                stop.set()
+            elif now - since >= grace:
+                log.warning("no controller adopted this worker within %.0fs: stopping", grace)
                 stop.set()
 
     threading.Thread(target=watch, name="reshard-supervisor-watch", daemon=True).start()
+
+
+def run_file(role: str, address: str) -> str:
+    """Where the Supervisor of `role`'s controller serving `address` records its workers:
+    RESHARD_RUN_DIR, else $XDG_RUNTIME_DIR/reshard, else a private folder in the temp dir."""
+    base = os.environ.get("RESHARD_RUN_DIR") or (
+        os.path.join(os.environ["XDG_RUNTIME_DIR"], "reshard") if os.environ.get("XDG_RUNTIME_DIR")
+        else os.path.join(tempfile.gettempdir(), f"reshard-{os.getuid()}"))
+    return os.path.join(base, f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', address)}.json")
 
 
 def module_command(module: str) -> list[str]:
@@ -57,28 +136,42 @@ def module_command(module: str) -> list[str]:
 @dataclasses.dataclass(slots=True)
 class _Rank:
     proc: asyncio.subprocess.Process | None = None
+    adopted: int = 0  # pid of a worker the previous controller started (not our child), once it attached
+    argv: list[str] = dataclasses.field(default_factory=list)  # its command line, recorded in the run file
     started: float = 0.0
     failures: int = 0  # quick failures in a row
     attached: bool = False  # this process attached to its controller: a clean start, whenever it exits
-    state: str = "STARTING"  # STARTING | RUNNING | RESTARTING | FAILED | STOPPED
+    state: str = "STARTING"  # STARTING | ADOPTING | RUNNING | RESTARTING | FAILED | STOPPED
     error: str = ""  # the last failure: exit status and the tail of its stderr
     tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
     reader: asyncio.Task | None = None
 
+    @property
+    def pid(self) -> int:
+        """The live process holding this rank (0: none)."""
+        if self.proc is not None and self.proc.returncode is None:
+            return self.proc.pid
+        return self.adopted
+
 
 class Supervisor:
-    """Starts `world` worker processes (`command(rank)`) and restarts any that exits."""
+    """Starts `world` worker processes (`command(rank)`) and restarts any that exits; with a
+    `run_file`, adopts the workers a previous controller at the same address left running."""
 
     def __init__(self, role: str, world: int, command: Callable[[int], list[str]], *, delay: float = 0.5,
                  max_delay: float = 30.0, max_failures: int = 5, healthy_after: float = 20.0,
-                 poll: float = 0.1) -> None:
+                 poll: float = 0.1, run_file: str | None = None, adopt_s: float = 10.0) -> None:
         self.role, self.world, self.command = role, world, command
         self.delay, self.max_delay, self.max_failures = delay, max_delay, max_failures
         self.healthy_after = healthy_after  # a worker that ran this long (or attached) had a clean start
         self.poll = poll
+        self.run_file, self.adopt_s = run_file, adopt_s
         self.ranks = {r: _Rank() for r in range(world)}
         self.starts = 0  # processes started, restarts included
+        self.adoptions = 0  # workers of a previous controller taken over
         self.stopping = False
+        self._due: dict[int, float] = {}  # rank -> when it starts again (or stops waiting for its adoption)
+        self._expect: dict[int, int] = {}  # rank -> pid of the previous controller's worker it waits for
 
     # -- what the controllers show -------------------------------------------------------
     def state(self, rank: int) -> str:
@@ -87,6 +180,8 @@ class Supervisor:
     def error(self, rank: int) -> str:
         """Why `rank` is not running ('' when it is, or has not failed yet)."""
         r = self.ranks[rank]
+        if r.state == "ADOPTING":
+            return f"waiting for pid {self._expect.get(rank)}, left running by the previous controller, to attach again"
         if r.state in ("RUNNING", "STOPPED") or not r.error:
             return ""
         if r.state == "FAILED":
@@ -95,27 +190,93 @@ class Supervisor:
 
     @property
     def pids(self) -> dict[int, int]:
-        return {k: r.proc.pid for k, r in self.ranks.items() if r.proc is not None and r.proc.returncode is None}
+        return {k: r.pid for k, r in self.ranks.items() if r.pid}
+
+    def accepts(self, rank: int, pid: int) -> bool:
+        """Whether a worker process `pid` may attach as `rank`: not while another process we run (or
+        wait for) holds that rank; an orphan that comes late takes a rank nobody holds."""
+        r = self.ranks.get(rank)
+        if r is None:
+            return False
+        holder = self._expect.get(rank, 0) if r.state == "ADOPTING" else r.pid
+        return not holder or holder == pid
+
+    def holder(self, rank: int) -> int:
+        r = self.ranks[rank]
+        return self._expect.get(rank, 0) if r.state == "ADOPTING" else r.pid
 
     def attached(self, rank: int, pid: int) -> None:
         """The controller's word that a worker attached: however soon it dies after that (killed,
-        say), it had a clean start and is restarted after the shortest wait."""
+        say), it had a clean start and is restarted after the shortest wait. A worker the previous
+        controller left is adopted here."""
         r = self.ranks.get(rank)
-        if r is not None and r.proc is not None and r.proc.pid == pid:
+        if r is None:
+            return
+        if r.proc is not None and r.proc.pid == pid:
             r.attached = True
+        elif r.pid == 0 and r.state in ("ADOPTING", "RESTARTING", "FAILED", "STARTING") and pid_alive(pid):
+            expected = self._expect.pop(rank, 0) == pid
+            r.adopted, r.proc, r.attached, r.state, r.started = pid, None, True, "RUNNING", time.monotonic()
+            r.argv = r.argv if expected else (_cmdline(pid) or [])
+            self._due.pop(rank, None)
+            self.adoptions += 1
+            log.info("adopted %s worker rank %d (pid %d), left running by the previous controller", self.role, rank, pid)
+            self._save()
+
+    # -- the run file ------------------------------------------------------------------------
+    def _save(self) -> None:
+        if not self.run_file or self.stopping:
+            return
+        workers = {str(k): {"pid": r.pid, "argv": r.argv} for k, r in self.ranks.items() if r.pid}
+        try:
+            os.makedirs(os.path.dirname(self.run_file), mode=0o700, exist_ok=True)
+            tmp = f"{self.run_file}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"controller": os.getpid(), "role": self.role, "workers": workers}, f)
+            os.replace(tmp, self.run_file)
+        except OSError as e:
+            log.warning("cannot record the %s workers in %s (%s): a restarted controller will not adopt them",
+                        self.role, self.run_file, e)
+
+    def _previous(self) -> dict[int, int]:
+        """Workers a previous controller at this address recorded and that still run as recorded."""
+        if not self.run_file:
+            return {}
+        try:
+            with open(self.run_file) as f:
+                data = json.load(f)
+            recorded = {int(k): (int(v["pid"]), list(v.get("argv", []))) for k, v in data.get("workers", {}).items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            log.warning("ignoring the unreadable run file %s (%s)", self.run_file, e)
+            return {}
+        if data.get("controller") != os.getpid() and pid_alive(int(data.get("controller") or 0)) \
+                and _cmdline(int(data["controller"])) is not None and data.get("role") == self.role:
+            log.warning("the %s controller pid %s recorded in %s still runs: not adopting its workers",
+                        self.role, data["controller"], self.run_file)
+            return {}
+        out = {}
+        for rank, (pid, argv) in recorded.items():
+            if rank in self.ranks and pid_alive(pid) and (not argv or _cmdline(pid) in (None, argv)):
+                out[rank] = pid
+                self.ranks[rank].argv = argv
+        return out
 
     # -- running -------------------------------------------------------------------------
     async def _spawn(self, rank: int) -> None:
         r = self.ranks[rank]
         r.tail.clear()
-        r.attached = False
-        r.proc = await asyncio.create_subprocess_exec(*self.command(rank), stdin=asyncio.subprocess.DEVNULL,
+        r.attached, r.adopted = False, 0
+        r.argv = list(self.command(rank))
+        r.proc = await asyncio.create_subprocess_exec(*r.argv, stdin=asyncio.subprocess.DEVNULL,
                                                       stderr=asyncio.subprocess.PIPE,
                                                       env={**os.environ, SUPERVISOR_PID: str(os.getpid())})
         r.started, r.state = time.monotonic(), "RUNNING"
         self.starts += 1
         r.reader = asyncio.get_running_loop().create_task(self._forward(r.proc, r.tail))
         log.info("started %s worker rank %d (pid %d)", self.role, rank, r.proc.pid)
+        self._save()
 
     @staticmethod
     async def _forward(proc: asyncio.subprocess.Process, tail: collections.deque) -> None:
@@ -133,16 +294,20 @@ class Supervisor:
         """Record a worker's exit; returns the delay before it is started again (<0: give up)."""
         r = self.ranks[rank]
         proc = r.proc
-        if r.reader is not None:
-            try:
-                await asyncio.wait_for(r.reader, 2.0)  # the last lines it wrote
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                pass
         lived = time.monotonic() - r.started
-        code = proc.returncode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        lines = [ln for ln in r.tail if ln.strip()][-5:]
-        r.error = f"pid {proc.pid} {how} after {lived:.1f}s" + (": " + " | ".join(lines) if lines else "")
+        if proc is None:  # an adopted worker: not our child, its exit status is its first parent's
+            r.error = f"pid {r.adopted} (adopted) exited after {lived:.1f}s"
+            r.adopted = 0
+        else:
+            if r.reader is not None:
+                try:
+                    await asyncio.wait_for(r.reader, 2.0)  # the last lines it wrote
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    pass
+            code = proc.returncode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+            lines = [ln for ln in r.tail if ln.strip()][-5:]
+            r.error = f"pid {proc.pid} {how} after {lived:.1f}s" + (": " + " | ".join(lines) if lines else "")
         r.failures = r.failures + 1 if lived < self.healthy_after and not r.attached else 1
         if r.failures >= self.max_failures:
             r.state = "FAILED"
@@ -154,37 +319,80 @@ class Supervisor:
         return wait
 
     async def run(self) -> None:
+        previous = self._previous()
+        now = time.monotonic()
         for rank in range(self.world):
-            await self._spawn(rank)
-        due: dict[int, float] = {}  # rank -> when it starts again
+            if rank in previous:
+                r = self.ranks[rank]
+                r.state, self._expect[rank], self._due[rank] = "ADOPTING", previous[rank], now + self.adopt_s
+                log.info("waiting up to %.0fs for %s worker rank %d (pid %d), left running by the previous controller, "
+                         "to attach again", self.adopt_s, self.role, rank, previous[rank])
+            else:
+                await self._spawn(rank)
+        due = self._due
         while not self.stopping:
             await asyncio.sleep(self.poll)
             now = time.monotonic()
             for rank, r in self.ranks.items():
                 if self.stopping:
                     break
-                if r.state == "RUNNING" and r.proc is not None and r.proc.returncode is not None:
+                if r.state == "RUNNING" and ((r.proc is not None and r.proc.returncode is not None)
+                                             or (r.proc is None and not pid_alive(r.adopted))):
                     wait = await self._exited(rank)
                     if wait >= 0:
                         due[rank] = time.monotonic() + wait
+                elif r.state == "ADOPTING" and (now >= due.get(rank, 0.0) or not pid_alive(self._expect.get(rank, 0))):
+                    pid = self._expect.pop(rank, 0)
+                    if pid_alive(pid):  # frozen, or attached elsewhere: it must not come back beside the new one
+                        log.warning("%s worker rank %d (pid %d) of the previous controller did not attach within %.0fs; "
+                                    "stopping it and starting a new one", self.role, rank, pid, self.adopt_s)
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                    await self._spawn(rank)
                 elif r.state == "RESTARTING" and now >= due.get(rank, 0.0):
                     await self._spawn(rank)
 
     async def stop(self, grace: float = 5.0) -> None:
         self.stopping = True
         procs = [r.proc for r in self.ranks.values() if r.proc is not None and r.proc.returncode is None]
+        adopted = [r.adopted for r in self.ranks.values() if r.proc is None and r.adopted]
         for p in procs:
             p.terminate()
+        for pid in adopted:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs), self._gone(adopted)), grace)
         except asyncio.TimeoutError:
             for p in procs:
                 if p.returncode is None:
                     log.warning("%s worker pid %d ignored SIGTERM; killing it", self.role, p.pid)
                     p.kill()
+            for pid in adopted:
+                if pid_alive(pid):
+                    log.warning("%s worker pid %d ignored SIGTERM; killing it", self.role, pid)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             await asyncio.gather(*(p.wait() for p in procs))
         for r in self.ranks.values():
             if r.state != "FAILED":
                 r.state = "STOPPED"
+            r.adopted = 0
             if r.reader is not None:
                 r.reader.cancel()
+        if self.run_file:  # a clean stop leaves nothing to adopt
+            try:
+                os.unlink(self.run_file)
+            except OSError:
+                pass
+
+    @staticmethod
+    async def _gone(pids: list[int]) -> None:
+        while any(pid_alive(p) for p in pids):
+            await asyncio.sleep(0.05)

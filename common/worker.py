@@ -29,6 +29,7 @@ from .engine import Engine, StagingPool
 from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from .planner import Plan, PlanOptions, make_plan
 from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_address
+from .supervisor import CONTROLLER_PID_KEY
 from .transport import Transport, TransportError, transport_class
 from .verify import sender_report
 
@@ -146,6 +147,8 @@ class WorkerBase:
         self._early: list[wpb.WorkerMessage] = []  # emitted before the loop's queue existed
         self._tasks: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
         self.last_error = ""
+        self.controller_pid = 0  # the controller process this worker attached to last (0: not known)
+        self.refused = False  # the controller refused its hello: another process holds this rank
         self.requests_served = 0
         self.requests_during_update = 0
         self.requests_by_version: dict[str, int] = {}
@@ -203,11 +206,14 @@ class WorkerBase:
             except (grpc.aio.AioRpcError, OSError) as e:
                 if self._stopping:
                     break
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    self.refused = True  # another process holds this rank there (an orphan that came too late)
                 log.warning("%s worker %d: controller %s unreachable (%s); retrying", self.role, self.rank, self.controller,
                             e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
             self._connected.clear()
             if self._stopping:
                 break
+            self.on_controller_lost()
             # Whatever the lost controller started cannot finish (its store, its commit): stop it, so
             # the data-plane thread is free for the next controller's first update.
             self._abort_in_flight(f"the connection to controller {self.controller} was lost")
@@ -234,6 +240,11 @@ class WorkerBase:
             stub = wgrpc.WorkerControlStub(ch)
             call = stub.Attach(outgoing())
             self._call = call
+            md = dict(await call.initial_metadata() or ())
+            pid = str(md.get(CONTROLLER_PID_KEY, ""))
+            if pid.isdigit():  # the controller that took this worker (a restarted one adopts its predecessor's)
+                self.controller_pid = int(pid)
+            self.refused = False
             self._connected.set()
             hb = asyncio.get_running_loop().create_task(self._heartbeats())
             try:
@@ -293,6 +304,9 @@ class WorkerBase:
 
     def on_abort(self, update_id: str) -> None:
         pass
+
+    def on_controller_lost(self) -> None:
+        """The stream to the controller ended (its process died, say); it reconnects next."""
 
     def _abort_in_flight(self, why: str) -> None:
         uid = self._current

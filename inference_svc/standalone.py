@@ -18,7 +18,7 @@ import torch
 from reshard.common.backend import worker_device
 from reshard.common.frameworks import build
 from reshard.common.layout import dtype_of
-from reshard.common.supervisor import stop_with_supervisor
+from reshard.common.supervisor import watch_controller
 from reshard.common.synth import init_box
 from reshard.proto import reshard_pb2 as pb
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop_with_supervisor(stop)
+    watch_controller(stop, lambda: worker.controller_pid, lambda: worker.refused)
     worker.start()
     try:
         serve_forever(worker, stop)

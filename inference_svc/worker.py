@@ -57,6 +57,7 @@ class InferenceWorker(WorkerBase):
         # committed version (one restarted with its checkpoint beside peers at step N must not).
         self.held = True
         self.updating = False
+        self._verifying = ""  # the update this rank was asked to verify, until it commits (or aborts)
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[pb.Version | None]:
@@ -119,6 +120,8 @@ class InferenceWorker(WorkerBase):
         return self.shadow if self.shadow is not None else self.live
 
     def on_abort(self, update_id: str) -> None:
+        if self._verifying == update_id:
+            self._verifying = ""  # aborted by the controller: it tells every rank what to serve
         if self.updating and self.mode == "inplace":
             self._resume()  # serving_ok stays False: NOT_SERVING until a full update
         if self.updating and self.shadow is not None:
@@ -127,11 +130,24 @@ class InferenceWorker(WorkerBase):
             self._dp.submit(self._resync_shadow)
         self.updating = False
 
+    def on_controller_lost(self) -> None:
+        """Lost between VERIFY and COMMIT, this rank cannot know whether its peers committed: it stops
+        serving until a controller (this one restarted, or its successor) says which version the
+        deployment serves. Lost at any other time, it keeps serving what it holds."""
+        if self._verifying:
+            with self._committed:
+                self.held = True
+                self._committed.notify_all()
+            log.warning("inference worker %d: lost the controller between VERIFY and COMMIT of update %s: "
+                        "held until a controller says what the deployment serves", self.rank, self._verifying)
+            self._verifying = ""
+
     def _resync_shadow(self) -> None:
         for n, t in self.live.items():
             self.shadow[n].copy_(t)
 
     async def _on_verify(self, v: wpb.Verify, cid: int) -> dict:
+        self._verifying = v.update_id  # from here, its peers may commit: see on_controller_lost
         faults.at_phase("inference-worker", "VERIFY", self.rank)
         plan, dst = self.prepared(v.update_id)
         pieces = {(b.name, i): p for b in dst.ranks[self.rank] for i, p in enumerate(b.pieces)}
@@ -164,6 +180,7 @@ class InferenceWorker(WorkerBase):
                 self.version = pb.Version(run=version.run, step=version.step)
                 self.serving_ok = True
                 self.held = False  # every rank of the deployment commits this version
+                self._verifying = ""
                 self._committed.notify_all()
         finally:
             self.updating = False

@@ -446,7 +446,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 if e.code() == grpc.StatusCode.NOT_FOUND and not req.src_layout:
                     d.src_known = ""
                     continue  # it does not hold our layout (restarted): send it
-                raise UpdateFailed(f"inference refused the update: {e.details()}") from None
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+                    # Not a refusal: unreachable, gone while the call was in flight, or not ready.
+                    raise UpdateFailed(f"BeginUpdate at inference controller {d.address} failed "
+                                       f"({e.code().name}: {e.details()})") from None
+                raise UpdateFailed(f"inference refused the update ({e.code().name}): {e.details()}") from None
             self.hub.meter.add("BeginUpdateReply", rep)
             d.src_known = req.src_fingerprint
             return

@@ -12,7 +12,6 @@ ranks hold different versions (a monitor polls both controllers).
 One deployment serves the forty cells in turn (reshard.chaos.Deployment and run_cycle, the harness
 `reshard chaos` runs); the weights are also checked here, by the test's own means."""
 
-import re
 import time
 
 import pytest
@@ -33,23 +32,13 @@ CHECKED = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k
            "lm_head.weight", "model.norm.weight"]
 VICTIM_RANK = 1  # the worker struck in worker cells
 
-# Known gaps, reported in issue 11. A cell whose only problems match these is marked xfail with them.
-KNOWN = {
-    # A killed inference controller takes its standalone workers with it; restarted, they load their
-    # checkpoint, which the deployment serves (and the trainer then reports as committed there) until
-    # the trainer pushes its newest version again, at once. The weights were lost, not rolled back.
-    r"^(served|committed) \S+ -> checkpoint:0$": "a restarted standalone inference deployment starts from its checkpoint",
-}
-
-
 def cell(role: str, phase: str, action: str):
     """A quick run (-m 'not slow', about a minute here) keeps the cells mid-transfer and at commit
-    of every role and action but the inference controller's kills (KNOWN)."""
-    quick = phase in ("TRANSFER", "COMMIT") and not (role == "inference" and action == "kill")
+    of every role and action."""
+    quick = phase in ("TRANSFER", "COMMIT")
     return pytest.param(role, phase, action, id=f"{role}-{phase}-{action}", marks=[] if quick else [pytest.mark.slow])
 
 
-# Workers first; the inference controller's kills last (they leave its checkpoint served: see KNOWN).
 CELLS = [cell(role, phase, action) for role in ("trainer-worker", "inference-worker", "trainer", "inference")
          for phase in PHASES for action in ("kill", "stop")]
 
@@ -72,10 +61,13 @@ def deployment(tmp_path_factory):
         dep.close()
 
 
-def outlived(pgid: int, timeout: float) -> list[int]:
-    """Processes of a killed controller's group (its workers) still running after `timeout`."""
-    end = time.monotonic() + timeout
-    while (left := live_members(pgid)) and time.monotonic() < end:
+def orphans(dep, role: str, pgid: int) -> list[int]:
+    """Processes of a killed controller's group (its workers) that its successor did not adopt
+    and that still run."""
+    st = dep.status(role)
+    adopted = {w.pid for w in st.workers} if st is not None else set()
+    end = time.monotonic() + 10
+    while (left := [p for p in live_members(pgid) if p not in adopted]) and time.monotonic() < end:
         time.sleep(0.1)
     return left
 
@@ -93,8 +85,8 @@ def test_fault(deployment, role, phase, action):
         problems.append("the fault was never struck: the phase was not reached")
     if not c.next_ok:
         problems.append(f"the next update failed: {c.next_error}")
-    if c.struck and action == "kill" and role in ("trainer", "inference") and (left := outlived(struck[0]["pid"], 10)):
-        problems.append(f"the killed {role} controller's workers {left} outlived it")
+    if c.struck and action == "kill" and role in ("trainer", "inference") and (left := orphans(dep, role, struck[0]["pid"])):
+        problems.append(f"the killed {role} controller's workers {left} outlived it, not adopted by its successor")
     if c.next_ok:  # the test's own check: canonical tensors reassembled from every rank, regenerated here
         run, step = c.committed.split(":")
         specs = model_config(SETTINGS.model).tensors()
@@ -103,8 +95,4 @@ def test_fault(deployment, role, phase, action):
             assert version == {"run": run, "step": int(step)}, (name, version, c)
             want = tensor_value(SETTINGS.seed, name, int(step), specs[name].shape, torch.bfloat16)
             assert torch.equal(got, want), f"{name} at {c.committed} is not the regenerated step\n{c}"
-    known = sorted({why for p in problems for pattern, why in KNOWN.items() if re.search(pattern, p)})
-    unknown = [p for p in problems if not any(re.search(pattern, p) for pattern in KNOWN)]
-    assert not unknown, f"{fault}: " + "; ".join(unknown) + f"\n{c}\n{dep.logs()}"
-    if known:
-        pytest.xfail("; ".join(known))
+    assert not problems, f"{fault}: " + "; ".join(problems) + f"\n{c}\n{dep.logs()}"

@@ -16,7 +16,7 @@ import tomllib
 import grpc
 import pytest
 
-from reshard.common.supervisor import Supervisor, module_command
+from reshard.common.supervisor import Supervisor, module_command, pid_alive
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
@@ -130,13 +130,14 @@ def test_worker_that_attached_is_restarted_however_soon_it_dies():
     asyncio.run(go())
 
 
-def test_standalone_worker_stops_when_its_controller_is_gone():
-    """A controller killed with SIGKILL leaves its workers behind: they stop by themselves (the
-    controller, re-run, starts its own; an orphan would take its rank back from them)."""
-    worker = ("import threading; from reshard.common.supervisor import stop_with_supervisor\n"
-              "stop = threading.Event(); stop_with_supervisor(stop, every=0.05); stop.wait(60)")
+def test_orphaned_worker_waits_to_be_adopted_then_stops():
+    """A controller killed with SIGKILL leaves its workers behind with the weights they hold: each
+    waits RESHARD_ORPHAN_GRACE_S for a restarted controller to adopt it, then stops by itself."""
+    worker = ("import threading; from reshard.common.supervisor import watch_controller\n"
+              "stop = threading.Event(); watch_controller(stop, lambda: 0, every=0.05); stop.wait(60)")
     controller = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], "
-                  "env={**os.environ, 'RESHARD_SUPERVISOR_PID': str(os.getpid())}); time.sleep(60)")
+                  "env={**os.environ, 'RESHARD_SUPERVISOR_PID': str(os.getpid()), 'RESHARD_ORPHAN_GRACE_S': '1.5'}); "
+                  "time.sleep(60)")
     ctl = subprocess.Popen([sys.executable, "-c", controller], start_new_session=True)
     try:
         t0 = time.monotonic()
@@ -147,11 +148,70 @@ def test_standalone_worker_stops_when_its_controller_is_gone():
         ctl.wait()
         t0 = time.monotonic()
         while live_members(ctl.pid):
-            assert time.monotonic() - t0 < 10, "the worker outlived its controller"
+            assert time.monotonic() - t0 < 10, "the worker outlived its grace"
             time.sleep(0.05)
+        assert time.monotonic() - t0 >= 1.0, "the orphan stopped before its grace ended"
     finally:
         stop_processes([ctl])
         for pid in live_members(ctl.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _status(addr: str) -> pb.Status | None:
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            return rgrpc.InferenceServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=5)
+    except grpc.RpcError:
+        return None
+
+
+@pytest.mark.integration
+def test_restarted_controller_adopts_the_workers_left_running(tmp_path):
+    """Re-run with its command line, a killed controller takes back the workers its predecessor left
+    (the same processes, with what they hold) instead of starting new ones; stopped cleanly, it
+    stops them and leaves nothing to adopt."""
+    inf = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, RESHARD_RUN_DIR=str(tmp_path / "run"))
+    log_path = tmp_path / "inference.log"
+    cmd = [*module_command("reshard.cli"), "inference", "--listen", inf, "--workers", "2", "--model", "tiny"]
+
+    def start():
+        with open(log_path, "a") as log:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+    def ready(what: str) -> pb.Status:
+        t0 = time.monotonic()
+        while True:
+            st = _status(inf)
+            if st is not None and all(w.state == "READY" for w in st.workers) and st.serving_state == "SERVING":
+                return st
+            assert time.monotonic() - t0 < 60, f"{what}: {st}\n" + log_path.read_text()[-3000:]
+            time.sleep(0.1)
+
+    first = start()
+    procs = [first]
+    try:
+        pids = {w.rank: w.pid for w in ready("first start").workers}
+        run_file = tmp_path / "run" / f"inference-{inf.replace(':', '_')}.json"
+        assert {int(k): v["pid"] for k, v in json.loads(run_file.read_text())["workers"].items()} == pids
+        first.kill()
+        first.wait()
+        assert sorted(live_members(first.pid)) == sorted(pids.values())  # still there, with their weights
+        second = start()
+        procs.append(second)
+        st = ready("after the restart")
+        assert {w.rank: w.pid for w in st.workers} == pids, "the restarted controller did not adopt the workers"
+        assert st.version.run == "checkpoint"  # what they held (in a deployment with a trainer: its last step)
+        assert "adopted inference worker rank 0" in log_path.read_text()
+        stop_processes([second])
+        t0 = time.monotonic()
+        while any(pid_alive(p) for p in pids.values()):
+            assert time.monotonic() - t0 < 10, "adopted workers outlived a clean stop"
+            time.sleep(0.05)
+        assert not run_file.exists()
+    finally:
+        stop_processes(procs)
+        for pid in live_members(first.pid):
             os.kill(pid, signal.SIGKILL)
 
 
