@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--updates", type=int, default=4, help="reshard updates (the first is cold)")
-    p.add_argument("--baseline-updates", type=int, default=2, help="serialized baseline updates (the first is cold)")
+    p.add_argument("--baseline-updates", type=int, default=3, help="serialized baseline updates (the first is cold)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trainer-workers", type=int, default=2)
     p.add_argument("--inference-workers", type=int, default=4)

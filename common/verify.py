@@ -45,7 +45,7 @@ def report(plan: Plan, slots: np.ndarray, values: np.ndarray) -> pb.Checksums:
 
 
 def merge_reports(plan: Plan, reports: list[pb.Checksums]) -> np.ndarray:
-    """Every source's report added into one array over the plan's slots (uint32, mod P)."""
+    """Every source's report added into one array over the plan's slots (uint32, mod 2**32)."""
     n = plan.num_checksum_slots
     total = np.zeros(n, dtype=np.uint64)
     for c in reports:
@@ -55,7 +55,7 @@ def merge_reports(plan: Plan, reports: list[pb.Checksums]) -> np.ndarray:
             raise LayoutError(f"source checksums: {len(slots)} slots for {len(values)} values")
         if len(slots) and int(slots.max()) >= n:
             raise LayoutError(f"source checksums: slot {int(slots.max())} outside the plan's {n}")
-        np.add.at(total, slots.astype(np.int64), values.astype(np.uint64))  # < 2**32 values of < 2**31 each
+        np.add.at(total, slots.astype(np.int64), values.astype(np.uint64))  # fewer than 2**32 values below 2**32 each
     return (total % P).astype(_U32)
 
 

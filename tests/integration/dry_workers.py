@@ -42,12 +42,16 @@ def position_sums(off: np.ndarray, size: np.ndarray, shape: np.ndarray) -> np.nd
     for d in range(D - 2, -1, -1):
         strides[:, d] = strides[:, d + 1] * shape[:, d + 1]
     numel = np.prod(size, axis=1)
-    total = numel % P
+    # mod P = 2**32: products wrap mod 2**64 in uint64, which keeps them right mod 2**32
+    u = lambda a: (np.asarray(a, dtype=np.int64) % P).astype(np.uint64)  # noqa: E731
+    mask = np.uint64(P - 1)
+    total = u(numel)
     for d in range(D):
         s, o = size[:, d], off[:, d]
-        span = (s * o + s * (s - 1) // 2) % P  # the sum of the indexes along d
-        rest = (numel // np.maximum(s, 1)) % P
-        total = (total + np.where(s > 0, (strides[:, d] % P) * span % P * rest % P, 0)) % P
+        span = u(s * o + s * (s - 1) // 2)  # the sum of the indexes along d
+        rest = u(numel // np.maximum(s, 1))
+        total = (total + np.where(s > 0, (u(strides[:, d]) * span * rest) & mask, np.uint64(0))) & mask
+    total = total.astype(np.int64)
     return total
 
 
