@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test venv proto clean gpu-check
+.PHONY: demo test test-all test-slow venv proto clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/reshard demo $(DEMO_ARGS)
 
+# The quick suite (under 5 minutes on 2 cores): everything but the tests marked slow.
 test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# The slow tests alone, and the whole suite (about 14 minutes on 2 cores). CI runs test, then test-slow.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # On a GPU machine: every GPU test and a short GPU benchmark, figures as JSON (no install needed;

@@ -12,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # a measurement tool's end-to-end run
 def test_quick_bench_end_to_end(tmp_path):
     png = tmp_path / "bench.png"
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "bench", "--quick", "--json", "--plot", str(png)],

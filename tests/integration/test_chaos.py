@@ -9,6 +9,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # the failure matrix's cells cover the same cycle in make test
 def test_chaos_strikes_heals_and_reports_each_kind_of_fault():
     # Seed 0 picks inference-worker:VERIFY:kill:1, inference-worker:VERIFY:stop:1, trainer-worker:COMMIT:kill:0.
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "chaos", "--cycles", "3", "--seed", "0", "--json"],

@@ -30,6 +30,7 @@ def peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+@pytest.mark.slow  # about 100 s
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak memory from /proc")
 def test_deepseek_v3_128_to_128_two_updates_under_16_mib_per_message():

@@ -27,6 +27,7 @@ def dump_from(addr: str, name: str):
     return dump_rpc(addr, name)
 
 
+@pytest.mark.slow  # over 15 s; test_trust drives two deployments in make test
 def test_two_deployments_with_relays():
     c = Cluster("small")  # deployment A: vLLM TP=4
     b_addr = f"127.0.0.1:{free_port()}"

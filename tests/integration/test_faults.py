@@ -40,6 +40,7 @@ def assert_holds(c: Cluster, step: int, rank: int | None = None) -> None:
         assert torch.equal(got, c.expected(name, step)), f"{name} on rank {rank} is not step {step}"
 
 
+@pytest.mark.slow  # the failure matrix's worker cells cover kills and freezes in make test
 def test_frozen_inference_worker():
     c = Cluster("small", update_timeout=DEADLINE, bucket_bytes=64 << 10, inference_env=SLOW)
     try:
@@ -74,6 +75,7 @@ def test_frozen_inference_worker():
         c.close()
 
 
+@pytest.mark.slow  # the failure matrix's worker cells cover kills and freezes in make test
 def test_killed_inference_worker_rejoins():
     c = Cluster("small", update_timeout=DEADLINE, bucket_bytes=64 << 10, inference_env=SLOW)
     try:
@@ -106,6 +108,7 @@ def test_killed_inference_worker_rejoins():
         c.close()
 
 
+@pytest.mark.slow  # the failure matrix's worker cells cover kills and freezes in make test
 def test_inplace_update_that_fails_leaves_not_serving_until_a_full_update():
     env = dict(SLOW, RESHARD_FAULT_SLOW_SECONDS=str(DEADLINE + 2), RESHARD_FAULT_ONCE="1")
     c = Cluster("small", update_timeout=DEADLINE, bucket_bytes=64 << 10, inference_env=env, inference_mode="inplace")

@@ -24,7 +24,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model,src,dst,bucket", [c if len(c) == 4 else (*c, 0) for c in CASES])
+# make test keeps the last case (EP on inference, relays); the others are slow (over 12 s each).
+@pytest.mark.parametrize("model,src,dst,bucket", [
+    pytest.param(*(c if len(c) == 4 else (*c, 0)), marks=[] if i == len(CASES) - 1 else [pytest.mark.slow])
+    for i, c in enumerate(CASES)])
 def test_layout_pair_end_to_end(model, src, dst, bucket):
     c = Cluster(model, trainer_layout=src, inference_layout=dst, bucket_bytes=bucket)
     try:
@@ -43,6 +46,7 @@ def test_layout_pair_end_to_end(model, src, dst, bucket):
         c.close()
 
 
+@pytest.mark.slow  # over 15 s; tests/unit/test_flat_and_casts.py covers casts in make test
 def test_fp32_master_weights_cast_on_the_sender():
     """A declared cast end to end: the trainer holds float32 masters (its own optimizer
     trajectory), inference receives bfloat16 = the masters rounded, verified by checksums."""

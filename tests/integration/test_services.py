@@ -184,6 +184,7 @@ def test_wrong_interleave_is_caught_by_the_dump_check():
         c.close()
 
 
+@pytest.mark.slow  # over 10 s; unit tests cover the planner's refusal
 def test_incompatible_models_fail_before_any_transfer():
     c = Cluster("small", trainer_model="tiny")
     try:
@@ -203,6 +204,7 @@ def test_incompatible_models_fail_before_any_transfer():
     assert c.leftover_processes() == []
 
 
+@pytest.mark.slow  # over 15 s
 def test_demo_json_small():
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "demo", "--model", "small", "--json", "--updates", "2",
                         "--baseline-updates", "1"], capture_output=True, text=True, timeout=300)

@@ -214,7 +214,7 @@ def test_restarted_controller_adopts_the_workers_left_running(tmp_path):
         for pid in live_members(first.pid):
             os.kill(pid, signal.SIGKILL)
 
-
+@pytest.mark.slow  # a non-editable install and two services: about 10 s
 @pytest.mark.integration
 def test_services_run_from_a_folder_holding_a_reshard_package(tmp_path, installed):
     """A user who installed reshard (not editable) and starts the services from the checkout's root."""

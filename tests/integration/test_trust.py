@@ -112,6 +112,7 @@ def test_trainer_may_write_only_after_every_deployment_has_the_version(tmp_path)
         stop(procs)
 
 
+@pytest.mark.slow  # over 15 s
 def test_outcome_belongs_to_its_deployment_when_one_is_detached_during_the_update(tmp_path):
     """Deployment A (slowed) is detached while it receives; deployment B cannot take the layout.
     The update must report B's failure, under B's address, at once (not hang or blame A)."""
@@ -200,6 +201,7 @@ def test_commit_is_owned_by_finish_update_and_a_retry_gets_its_outcome():
         c.close()
 
 
+@pytest.mark.slow  # over 15 s
 def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version():
     """An inference worker killed after step N comes back with its checkpoint: it must not serve
     (held, the deployment DEGRADED) and is brought back to step N at once, not at the next step.
@@ -233,6 +235,7 @@ def test_a_restarted_worker_never_serves_its_checkpoint_beside_the_new_version()
         c.close()
 
 
+@pytest.mark.slow  # over 15 s
 def test_versions_never_go_backwards_and_a_newer_trainer_controller_fences_the_older(tmp_path):
     """Another run (or an older step) is refused unless the operator allows it, and then recorded;
     once a newer trainer controller has updated a deployment, the older one is fenced out."""
