@@ -12,8 +12,39 @@ import grpc
 
 from reshard.common.models import MODELS
 from reshard.common.rpc import Deadlines, channel, parse_address, status_error
+from reshard.common.security import FLAG_ENV, Security, SecurityError, current
 
 DEFAULT_MODEL = "llama-1g"
+
+
+def add_client_flags(p) -> None:
+    """The credentials flags of every command that calls a service (each also read from the environment)."""
+    p.add_argument("--tls-ca", default=None, help="CA certificate that signs the services' certificates (RESHARD_TLS_CA); "
+                                                  "with it, calls use TLS")
+    p.add_argument("--tls-cert", default=None, help="this process's certificate, for mutual TLS (RESHARD_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, help="the key of --tls-cert (RESHARD_TLS_KEY)")
+    p.add_argument("--token-file", default=None,
+                   help="bearer tokens, one `role token` per line (RESHARD_TOKEN_FILE; or RESHARD_TOKEN_<ROLE>)")
+
+
+def add_server_flags(p) -> None:
+    add_client_flags(p)
+    p.add_argument("--mtls", action="store_true", help="require client certificates signed by --tls-ca (RESHARD_MTLS=1)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plaintext or unauthenticated calls off loopback (RESHARD_INSECURE=1): a trusted network only")
+
+
+def apply_flags(a) -> Security:
+    """Put a command's credential flags into this process's environment (its standalone workers
+    inherit them) and return the credentials. Raises SecurityError."""
+    for attr, var in FLAG_ENV.items():
+        v = getattr(a, attr, None)
+        if v:
+            os.environ[var] = os.path.abspath(v)
+    for attr, var in (("mtls", "RESHARD_MTLS"), ("insecure", "RESHARD_INSECURE")):
+        if getattr(a, attr, False):
+            os.environ[var] = "1"
+    return current()
 
 
 def _address(what: str):
@@ -72,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--update-timeout", type=_positive, default=120.0, help="deadline of one whole update, seconds")
         p.add_argument("--worker-timeout", type=_positive, default=5.0,
                        help="a worker silent this long (frozen) fails the update in flight, seconds")
+        add_server_flags(p)
 
     models = sorted(MODELS)
     model_help = (f"standalone workers' model: {', '.join(models)} (default {DEFAULT_MODEL}); "
@@ -122,12 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a partial update: comma-separated canonical names or patterns (e.g. 'model.layers.*.mlp.*'); "
                         "the others keep their committed values")
     p.add_argument("--timeout", type=_positive, default=300.0)
+    add_client_flags(p)
 
     for verb in ("attach", "detach"):
         p = sub.add_parser(verb, help=f"{verb} an inference deployment {'to' if verb == 'attach' else 'from'} a trainer")
         p.add_argument("--trainer", type=_address("trainer address"), required=True)
         p.add_argument("--inference", type=_address("inference address"), required=True)
         p.add_argument("--timeout", type=_positive, default=10.0)
+        add_client_flags(p)
 
     p = sub.add_parser("status", help="what a service serves, its update in progress, workers, errors")
     g = p.add_mutually_exclusive_group(required=True)
@@ -135,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inference", type=_address("inference address"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=_positive, default=10.0)
+    add_client_flags(p)
 
     p = sub.add_parser("dump", help="reassemble a canonical tensor from the inference workers")
     p.add_argument("--inference", type=_address("inference address"), required=True)
@@ -142,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output file (torch.save of the tensor)")
     p.add_argument("--rank", type=int, default=None, help="read from this worker only (it must hold the whole tensor)")
     p.add_argument("--timeout", type=_positive, default=60.0)
+    add_client_flags(p)
 
     p = sub.add_parser("plan", help="plan a layout pair and print its figures (no data moves)")
     p.add_argument("--model", required=True, help="model shape: " + ", ".join(sorted(_model_names())))
@@ -351,6 +387,14 @@ def check_service_args(a) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if hasattr(a, "token_file"):
+        try:
+            sec = apply_flags(a)  # credentials from flags and the environment, checked before anything starts
+            if a.command in ("inference", "trainer"):
+                sec.check_listen(parse_address(a.listen)[0], f"reshard {a.command}")
+        except SecurityError as e:
+            print(f"reshard {a.command}: {e}", file=sys.stderr)
+            return 2
     if a.command in ("inference", "trainer"):
         try:
             check_service_args(a)

@@ -55,20 +55,27 @@ def parse_address(addr: str, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def channel(addr: str) -> grpc.aio.Channel:
+def channel(addr: str, security=None) -> grpc.aio.Channel:
+    """A channel to one of our services, with this process's credentials (common/security.py)."""
+    from .security import current
+
     parse_address(addr)
-    return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    return (security or current()).channel(addr, CHANNEL_OPTIONS)
 
 
 async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start a grpc.aio server with health and reflection; returns (server, health, port)."""
-    parse_address(listen, "listen address")
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    from .security import current
+
+    host, _ = parse_address(listen, "listen address")
+    sec = current()
+    sec.check_listen(host, f"listen address {listen}")
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=sec.interceptors())
     names = register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(listen)
+    port = sec.add_port(server, listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

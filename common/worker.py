@@ -29,6 +29,7 @@ from .engine import Engine, StagingPool
 from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from .planner import Plan, PlanOptions, make_plan
 from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_address
+from .security import Security
 from .supervisor import CONTROLLER_PID_KEY
 from .transport import Transport, TransportError, transport_class
 from .verify import sender_report
@@ -109,8 +110,10 @@ class WorkerBase:
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, model: str = "",
-                 fault: dict[str, float] | None = None, allow_casts: bool = False) -> None:
+                 fault: dict[str, float] | None = None, allow_casts: bool = False, security: Security | None = None) -> None:
         parse_address(controller, "controller address")
+        # TLS and the worker token: given, or from RESHARD_TLS_* and RESHARD_TOKEN_FILE / RESHARD_TOKEN_WORKER.
+        self.security = security or Security.from_env()
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world}")
         for name, (desc, t) in buffers.items():
@@ -236,7 +239,7 @@ class WorkerBase:
                     return
                 yield m
 
-        async with grpc.aio.insecure_channel(self.controller, options=CHANNEL_OPTIONS) as ch:
+        async with self.security.channel(self.controller, CHANNEL_OPTIONS) as ch:
             stub = wgrpc.WorkerControlStub(ch)
             call = stub.Attach(outgoing())
             self._call = call

@@ -21,6 +21,7 @@ import torch
 from reshard.common import faults
 from reshard.common.checksum import box_checksum
 from reshard.common.layout import LocalBuffer, TensorSpec
+from reshard.common.security import Security
 from reshard.common.verify import check_rank
 from reshard.common.worker import WorkerBase
 from reshard.proto import reshard_pb2 as pb
@@ -41,10 +42,10 @@ class InferenceWorker(WorkerBase):
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, mode: str = "shadow",
                  pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None,
                  commit_hooks: tuple[Callable[[pb.Version], None], ...] = (), version: pb.Version | None = None,
-                 model: str = "", fault: dict[str, float] | None = None) -> None:
+                 model: str = "", fault: dict[str, float] | None = None, security: Security | None = None) -> None:
         if mode not in ("shadow", "inplace"):
             raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
-        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault)
+        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, security=security)
         self.mode = mode
         self.pause_hook, self.resume_hook, self.commit_hooks = pause, resume, tuple(commit_hooks)
         self.version = version

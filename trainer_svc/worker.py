@@ -24,6 +24,7 @@ import torch
 
 from reshard.common import faults
 from reshard.common.layout import LocalBuffer, TensorSpec
+from reshard.common.security import Security
 from reshard.common.worker import WorkerBase
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
@@ -61,8 +62,10 @@ class TrainerWorker(WorkerBase):
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, run: str = "", snapshot: bool = False,
-                 model: str = "", fault: dict[str, float] | None = None, allow_casts: bool = False) -> None:
-        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, allow_casts=allow_casts)
+                 model: str = "", fault: dict[str, float] | None = None, allow_casts: bool = False,
+                 security: Security | None = None) -> None:
+        super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, allow_casts=allow_casts,
+                         security=security)
         self.run_id = run
         self.snapshot = {n: torch.empty_like(t) for n, t in self.live.items()} if snapshot else None
         self._handles: list[PublishHandle] = []

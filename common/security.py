@@ -1,0 +1,314 @@
+"""Who may call what: TLS on every gRPC server and channel, bearer tokens by role, and the
+rule that nothing answers unauthenticated callers off loopback.
+
+Roles (each RPC needs one; `METHOD_ROLES`):
+
+- `operator`: trigger an update, wait for it, read status.
+- `admin`: attach and detach deployments, dump weights; an admin token also does what an
+  operator's does.
+- `peer`: the controller-to-controller calls (layouts, begin/finish/abort an update).
+- `worker`: a worker's stream to its controller.
+
+Tokens are read from a file (`--token-file`, or RESHARD_TOKEN_FILE: lines of `role token`,
+`#` comments) or from RESHARD_TOKEN_OPERATOR / _ADMIN / _PEER / _WORKER, never from the
+command line. A server that holds tokens checks every call's `authorization: Bearer` header
+against them in constant time; a client sends, for each call, the token of the role that call
+needs. TLS (`--tls-cert`, `--tls-key`, `--tls-ca`, or RESHARD_TLS_CERT / _KEY / _CA) uses grpc's
+own credentials; `--mtls` (RESHARD_MTLS=1) makes a server require client certificates signed by
+its CA. Plaintext is for loopback: a server asked to listen elsewhere without TLS, or with TLS
+but neither tokens nor client certificates, refuses to start unless `--insecure` is given (and
+then says so at every start)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import ipaddress
+import logging
+import os
+
+import grpc
+
+log = logging.getLogger("reshard.security")
+
+ROLES = ("operator", "admin", "peer", "worker")
+ENV_FILES = {"cert": "RESHARD_TLS_CERT", "key": "RESHARD_TLS_KEY", "ca": "RESHARD_TLS_CA"}
+
+METHOD_ROLES = {
+    "/reshard.v1.TrainerService/TriggerUpdate": "operator",
+    "/reshard.v1.TrainerService/WaitForVersion": "operator",
+    "/reshard.v1.TrainerService/GetStatus": "operator",
+    "/reshard.v1.TrainerService/AttachInference": "admin",
+    "/reshard.v1.TrainerService/DetachInference": "admin",
+    "/reshard.v1.InferenceService/GetLayout": "peer",
+    "/reshard.v1.InferenceService/BeginUpdate": "peer",
+    "/reshard.v1.InferenceService/FinishUpdate": "peer",
+    "/reshard.v1.InferenceService/AbortUpdate": "peer",
+    "/reshard.v1.InferenceService/GetStatus": "operator",
+    "/reshard.v1.InferenceService/Dump": "admin",
+    "/reshard.worker.v1.WorkerControl/Attach": "worker",
+}
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # liveness and the schema: no weights
+
+
+class SecurityError(ValueError):
+    """A configuration that would expose weights, or one that cannot be read."""
+
+
+def satisfies(held: set[str], needed: str) -> bool:
+    return needed in held or (needed == "operator" and "admin" in held)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_tokens(path: str) -> dict[str, list[str]]:
+    """A token file: one `role token` per line; blank lines and `#` comments are skipped."""
+    tokens: dict[str, list[str]] = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise SecurityError(f"cannot read the token file {path}: {e.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or parts[0] not in ROLES:
+            raise SecurityError(f"{path}:{n}: expected `role token` with a role among {', '.join(ROLES)}")
+        if len(parts[1]) < 16:
+            raise SecurityError(f"{path}:{n}: a {parts[0]} token must have at least 16 characters")
+        tokens.setdefault(parts[0], []).append(parts[1])
+    return tokens
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise SecurityError(f"cannot read the TLS {what} {path}: {e.strerror}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """One process's credentials: its TLS files and the tokens it accepts (as a server) and
+    sends (as a client)."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    mtls: bool = False
+    insecure: bool = False
+    token_file: str = ""
+    tokens: tuple[tuple[str, str], ...] = ()  # (role, token)
+
+    @classmethod
+    def from_env(cls, **override) -> "Security":
+        """Credentials from RESHARD_TLS_* / RESHARD_MTLS / RESHARD_TOKEN_FILE / RESHARD_TOKEN_<ROLE>,
+        with `override` (a command's flags, where given) taking precedence."""
+        env = {k: os.environ.get(v, "") for k, v in ENV_FILES.items()}
+        kw = {"cert": env["cert"], "key": env["key"], "ca": env["ca"], "mtls": os.environ.get("RESHARD_MTLS", "") == "1",
+              "token_file": os.environ.get("RESHARD_TOKEN_FILE", ""), "insecure": os.environ.get("RESHARD_INSECURE", "") == "1"}
+        kw.update({k: v for k, v in override.items() if v})
+        tokens = [(role, t) for role, ts in (read_tokens(kw["token_file"]).items() if kw["token_file"] else ()) for t in ts]
+        tokens += [(role, os.environ[f"RESHARD_TOKEN_{role.upper()}"]) for role in ROLES
+                   if os.environ.get(f"RESHARD_TOKEN_{role.upper()}")]
+        s = cls(tokens=tuple(tokens), **kw)
+        s.check()
+        return s
+
+    def check(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise SecurityError("--tls-cert and --tls-key go together")
+        if self.mtls and not (self.ca and self.cert):
+            raise SecurityError("--mtls needs --tls-ca (the CA that signs client certificates) and a server certificate")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert or self.ca)
+
+    def env(self) -> dict[str, str]:
+        """The environment that gives a child process (a standalone worker) these credentials."""
+        out = {v: getattr(self, k) for k, v in ENV_FILES.items() if getattr(self, k)}
+        if self.mtls:
+            out["RESHARD_MTLS"] = "1"
+        if self.token_file:
+            out["RESHARD_TOKEN_FILE"] = os.path.abspath(self.token_file)
+        return out
+
+    def token(self, role: str) -> str:
+        """The token this process sends for a call that needs `role`: one of that role (an admin's
+        for an operator's call), else any it holds, so that a refusal names the role it lacks."""
+        for want in (role, "admin") if role == "operator" else (role,):
+            for r, t in self.tokens:
+                if r == want:
+                    return t
+        return self.tokens[0][1] if self.tokens else ""
+
+    # -- servers ------------------------------------------------------------------------
+    def check_listen(self, host: str, what: str) -> None:
+        """Refuse a listen address that would answer unauthenticated callers off loopback."""
+        if is_loopback(host):
+            return
+        if not self.cert:
+            problem = "without TLS (--tls-cert, --tls-key)"
+        elif not self.tokens and not self.mtls:
+            problem = "with TLS but neither tokens (--token-file) nor client certificates (--mtls)"
+        else:
+            return
+        if self.insecure:
+            log.warning("%s listens on %s %s (--insecure): anyone who reaches it can read and replace the weights",
+                        what, host, problem)
+            return
+        raise SecurityError(f"refusing to listen on {host} {problem}: anyone who reaches it could read or replace the "
+                            "weights; configure them, listen on loopback, or pass --insecure on a network you trust")
+
+    def add_port(self, server: grpc.aio.Server, listen: str) -> int:
+        if not self.cert:
+            return server.add_insecure_port(listen)
+        creds = grpc.ssl_server_credentials([(_read(self.key, "key"), _read(self.cert, "certificate"))],
+                                            root_certificates=_read(self.ca, "CA") if self.mtls else None,
+                                            require_client_auth=self.mtls)
+        return server.add_secure_port(listen, creds)
+
+    def interceptors(self) -> list:
+        """The server interceptor that checks tokens (none when this server holds no tokens)."""
+        return [AuthInterceptor(self.tokens)] if self.tokens else []
+
+    # -- clients ------------------------------------------------------------------------
+    def channel(self, addr: str, options) -> grpc.aio.Channel:
+        interceptors = [k(self) for k in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)] \
+            if self.tokens else None
+        if not self.tls:
+            return grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "CA") if self.ca else None,
+                                             private_key=_read(self.key, "key") if self.key else None,
+                                             certificate_chain=_read(self.cert, "certificate") if self.cert else None)
+        return grpc.aio.secure_channel(addr, creds, options=options, interceptors=interceptors)
+
+
+_ENV_KEYS = (*ENV_FILES.values(), "RESHARD_MTLS", "RESHARD_TOKEN_FILE", "RESHARD_INSECURE",
+             *(f"RESHARD_TOKEN_{r.upper()}" for r in ROLES))
+_current: tuple[tuple, Security] | None = None
+
+
+def current() -> Security:
+    """This process's credentials from its environment (read again when the environment changes)."""
+    global _current
+    key = tuple(os.environ.get(k, "") for k in _ENV_KEYS)
+    if _current is None or _current[0] != key:
+        _current = (key, Security.from_env())
+    return _current[1]
+
+
+FLAG_ENV = {"tls_cert": "RESHARD_TLS_CERT", "tls_key": "RESHARD_TLS_KEY", "tls_ca": "RESHARD_TLS_CA",
+            "token_file": "RESHARD_TOKEN_FILE"}
+
+
+def _bearer(metadata) -> str:
+    for k, v in metadata or ():
+        if k == "authorization":
+            v = v.decode() if isinstance(v, bytes) else v
+            return v[7:].strip() if v.lower().startswith("bearer ") else ""
+    return ""
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks each call's bearer token against the role its method needs; a call without one
+    gets UNAUTHENTICATED, one whose token lacks the role PERMISSION_DENIED, and runs nothing."""
+
+    def __init__(self, tokens: tuple[tuple[str, str], ...]) -> None:
+        self._tokens = [(role, t.encode()) for role, t in tokens]
+
+    def roles_of(self, token: str) -> set[str]:
+        got = token.encode()
+        held = set()
+        for role, t in self._tokens:  # every comparison runs, in constant time
+            if hmac.compare_digest(got, t):
+                held.add(role)
+        return held
+
+    async def intercept_service(self, continuation, details):
+        method = details.method
+        if method.startswith(OPEN_PREFIXES):
+            return await continuation(details)
+        needed = METHOD_ROLES.get(method)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if needed is None:
+            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} is not open to any role")
+        token = _bearer(details.invocation_metadata)
+        if not token:
+            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED,
+                           f"{method} needs a bearer token of the {needed} role (authorization metadata)")
+        held = self.roles_of(token)
+        if not held:
+            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not known here")
+        if not satisfies(held, needed):
+            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
+                           f"{method} needs the {needed} role; the token holds {', '.join(sorted(held))}")
+        return handler
+
+
+def _refuse(handler, code: grpc.StatusCode, message: str):
+    """A handler of the same kind as `handler` that only aborts with `code`."""
+    async def unary(request, context):
+        await context.abort(code, message)
+
+    async def streaming(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - never reached: abort raises
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class _BearerToken:
+    """Adds the token of the role each call needs (METHOD_ROLES) to its metadata."""
+
+    def __init__(self, security: Security) -> None:
+        self.security = security
+
+    def _details(self, d):
+        method = d.method.decode() if isinstance(d.method, bytes) else d.method
+        token = self.security.token(METHOD_ROLES.get(method, ""))
+        if not token:
+            return d
+        md = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), ("authorization", f"Bearer {token}"))
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+
+
+# grpc.aio files each interceptor under one kind of call only: one class per kind.
+class _UnaryUnaryToken(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _UnaryStreamToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _StreamUnaryToken(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _StreamStreamToken(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)

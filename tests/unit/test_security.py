@@ -1,0 +1,71 @@
+"""Credentials and roles (common/security.py), without a network."""
+
+import pytest
+
+from reshard.common.security import METHOD_ROLES, AuthInterceptor, Security, SecurityError, is_loopback, read_tokens, satisfies
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import worker_pb2 as wpb
+
+
+def test_every_rpc_states_its_role():
+    methods = {f"/{s.full_name}/{m.name}" for d in (pb.DESCRIPTOR, wpb.DESCRIPTOR)
+               for s in d.services_by_name.values() for m in s.methods}
+    assert methods == set(METHOD_ROLES)
+
+
+def test_roles():
+    assert satisfies({"admin"}, "operator") and satisfies({"operator"}, "operator")
+    assert not satisfies({"operator"}, "admin") and not satisfies({"admin"}, "peer") and not satisfies({"peer"}, "worker")
+
+
+def test_token_file(tmp_path):
+    f = tmp_path / "t"
+    f.write_text("# ops\noperator aaaaaaaaaaaaaaaaaaaa\n\nadmin bbbbbbbbbbbbbbbbbbbb  # the admins\npeer cccccccccccccccc\n")
+    assert read_tokens(str(f)) == {"operator": ["a" * 20], "admin": ["b" * 20], "peer": ["c" * 16]}
+    f.write_text("root aaaaaaaaaaaaaaaaaaaa\n")
+    with pytest.raises(SecurityError, match=":1: expected `role token`"):
+        read_tokens(str(f))
+    f.write_text("peer short\n")
+    with pytest.raises(SecurityError, match="at least 16 characters"):
+        read_tokens(str(f))
+    with pytest.raises(SecurityError, match="cannot read the token file"):
+        read_tokens(str(tmp_path / "missing"))
+
+
+def test_a_client_sends_the_token_of_the_role_a_call_needs():
+    s = Security(tokens=(("operator", "o" * 20), ("admin", "a" * 20)))
+    assert s.token("operator") == "o" * 20 and s.token("admin") == "a" * 20
+    assert Security(tokens=(("admin", "a" * 20),)).token("operator") == "a" * 20
+    assert s.token("peer") == "o" * 20  # refused there, with the role it lacks named
+    assert Security().token("peer") == ""
+
+
+def test_server_matches_tokens_to_roles():
+    auth = AuthInterceptor((("operator", "o" * 20), ("peer", "p" * 20), ("peer", "q" * 20)))
+    assert auth.roles_of("o" * 20) == {"operator"}
+    assert auth.roles_of("q" * 20) == {"peer"}
+    assert auth.roles_of("o" * 19) == set() and auth.roles_of("") == set()
+
+
+def test_listen_rule():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.1.2.3")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+    Security().check_listen("127.0.0.1", "x")
+    with pytest.raises(SecurityError, match="without TLS"):
+        Security().check_listen("0.0.0.0", "x")
+    with pytest.raises(SecurityError, match="neither tokens"):
+        Security(cert="c", key="k").check_listen("10.0.0.1", "x")
+    Security(cert="c", key="k", tokens=(("peer", "p" * 20),)).check_listen("10.0.0.1", "x")
+    Security(cert="c", key="k", ca="a", mtls=True).check_listen("10.0.0.1", "x")
+    Security(insecure=True).check_listen("0.0.0.0", "x")  # allowed, with a warning
+
+
+def test_inconsistent_flags_are_refused(monkeypatch):
+    for k in ("RESHARD_TLS_CERT", "RESHARD_TLS_KEY", "RESHARD_TLS_CA", "RESHARD_MTLS", "RESHARD_TOKEN_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SecurityError, match="go together"):
+        Security.from_env(cert="c.pem")
+    with pytest.raises(SecurityError, match="--mtls needs --tls-ca"):
+        Security.from_env(cert="c.pem", key="k.pem", mtls=True)
+    monkeypatch.setenv("RESHARD_TOKEN_WORKER", "w" * 20)
+    assert Security.from_env().token("worker") == "w" * 20
