@@ -29,6 +29,9 @@ def add_client_flags(p) -> None:
 
 def add_server_flags(p) -> None:
     add_client_flags(p)
+    p.add_argument("--tokens-dir", default=None,
+                   help="the tokens this service accepts: DIR/operator.token, admin.token, peer.token, worker.token "
+                        "(RESHARD_TOKENS_DIR; `reshard certs` writes them)")
     p.add_argument("--mtls", action="store_true", help="require client certificates signed by --tls-ca (RESHARD_MTLS=1)")
     p.add_argument("--insecure", action="store_true",
                    help="allow plaintext or unauthenticated calls off loopback (RESHARD_INSECURE=1): a trusted network only")
@@ -199,12 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference-workers", type=int, default=4)
 
     from reshard.bench import add_parser as bench_parser
+    from reshard.certs import add_parser as certs_parser
     from reshard.chaos import add_parser as chaos_parser
     from reshard.simulate_cmd import add_parser as simulate_parser
 
     bench_parser(sub)
     simulate_parser(sub)
     chaos_parser(sub)
+    certs_parser(sub)
     return ap
 
 
@@ -424,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.demo import run_demo
 
         return run_demo(a)
-    if a.command in ("bench", "simulate", "chaos"):
+    if a.command in ("bench", "simulate", "chaos", "certs"):
         return a._main(a)
     from reshard.common.rpc import new_event_loop
 

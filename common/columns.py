@@ -318,6 +318,32 @@ def encode(layout) -> bytes:
     return WIRE_MAGIC + zlib.compress(len(head).to_bytes(8, "little") + head + b"".join(blobs), 1)
 
 
+MAX_INFLATED = 256 << 20  # a layout inflates to at most this (Kimi-K2 Megatron tp8 dp32 ep32: 32 MB)
+
+
+def inflate(data: bytes, limit: int = MAX_INFLATED) -> bytes:
+    """zlib-inflate at most `limit` bytes: a small message that would inflate past it (a
+    decompression bomb) is refused before it takes the memory."""
+    import zlib
+
+    from .layout import LayoutError
+
+    d, parts, total, rest = zlib.decompressobj(), [], 0, data
+    while True:  # in steps of 16 MiB: the memory never runs far past the limit
+        chunk = d.decompress(rest, 16 << 20)
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise LayoutError(f"malformed layout: it inflates past {limit >> 20} MiB")
+        rest = d.unconsumed_tail
+        if not rest:
+            break
+    parts.append(d.flush())
+    if total + len(parts[-1]) > limit:
+        raise LayoutError(f"malformed layout: it inflates past {limit >> 20} MiB")
+    return b"".join(parts)
+
+
 def decode(data: bytes):
     """A layout from `encode`'s bytes (its ranks as `ColumnRanks`), checked for consistency:
     LayoutError on malformed input. (Whether the layout is valid is the planner's check.)"""
@@ -327,7 +353,7 @@ def decode(data: bytes):
     from .layout import Layout, LayoutError, TensorSpec
 
     try:
-        raw = zlib.decompress(data[len(WIRE_MAGIC):])
+        raw = inflate(data[len(WIRE_MAGIC):])
         n = int.from_bytes(raw[:8], "little")
         h = json.loads(raw[8:8 + n])
         tensors = {name: TensorSpec(name, tuple(shape), dt) for name, shape, dt in h["tensors"]}

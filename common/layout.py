@@ -321,13 +321,13 @@ class Layout:
 
     @staticmethod
     def from_bytes(data: bytes) -> Layout:
-        from .columns import WIRE_MAGIC, decode
+        from .columns import WIRE_MAGIC, decode, inflate
 
         if data[:len(WIRE_MAGIC)] == WIRE_MAGIC:
             return decode(data)
         try:
             if data[:len(_ZMAGIC)] == _ZMAGIC:
-                data = zlib.decompress(data[len(_ZMAGIC):])
+                data = inflate(data[len(_ZMAGIC):])
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError, zlib.error) as e:
             raise LayoutError(f"malformed layout: {e}") from e

@@ -69,7 +69,9 @@ def is_loopback(host: str) -> bool:
 
 
 def read_tokens(path: str) -> dict[str, list[str]]:
-    """A token file: one `role token` per line; blank lines and `#` comments are skipped."""
+    """A token file: one `role token` per line, or a single bare token (a client's file, as
+    `reshard certs` writes them: its role is the server's to know, keyed ""); blank lines and
+    `#` comments are skipped."""
     tokens: dict[str, list[str]] = {}
     try:
         with open(path) as f:
@@ -81,12 +83,29 @@ def read_tokens(path: str) -> dict[str, list[str]]:
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or parts[0] not in ROLES:
-            raise SecurityError(f"{path}:{n}: expected `role token` with a role among {', '.join(ROLES)}")
+        if len(parts) == 1:
+            parts = ["", parts[0]]
+        elif len(parts) != 2 or parts[0] not in ROLES:
+            raise SecurityError(f"{path}:{n}: expected a token, or `role token` with a role among {', '.join(ROLES)}")
         if len(parts[1]) < 16:
-            raise SecurityError(f"{path}:{n}: a {parts[0]} token must have at least 16 characters")
+            raise SecurityError(f"{path}:{n}: a token must have at least 16 characters")
         tokens.setdefault(parts[0], []).append(parts[1])
     return tokens
+
+
+def read_tokens_dir(path: str) -> list[tuple[str, str]]:
+    """The tokens a server accepts, one file per role: DIR/operator.token, admin.token, peer.token,
+    worker.token (those present)."""
+    if not os.path.isdir(path):
+        raise SecurityError(f"--tokens-dir {path} is not a directory")
+    out = []
+    for role in ROLES:
+        f = os.path.join(path, f"{role}.token")
+        if os.path.exists(f):
+            out += [(role, t) for ts in read_tokens(f).values() for t in ts]
+    if not out:
+        raise SecurityError(f"--tokens-dir {path} holds none of {', '.join(r + '.token' for r in ROLES)}")
+    return out
 
 
 def _read(path: str, what: str) -> bytes:
@@ -119,6 +138,9 @@ class Security:
               "token_file": os.environ.get("RESHARD_TOKEN_FILE", ""), "insecure": os.environ.get("RESHARD_INSECURE", "") == "1"}
         kw.update({k: v for k, v in override.items() if v})
         tokens = [(role, t) for role, ts in (read_tokens(kw["token_file"]).items() if kw["token_file"] else ()) for t in ts]
+        tokens_dir = kw.pop("tokens_dir", "") or os.environ.get("RESHARD_TOKENS_DIR", "")
+        if tokens_dir:
+            tokens += read_tokens_dir(tokens_dir)
         tokens += [(role, os.environ[f"RESHARD_TOKEN_{role.upper()}"]) for role in ROLES
                    if os.environ.get(f"RESHARD_TOKEN_{role.upper()}")]
         s = cls(tokens=tuple(tokens), **kw)
@@ -195,7 +217,7 @@ class Security:
         return grpc.aio.secure_channel(addr, creds, options=options, interceptors=interceptors)
 
 
-_ENV_KEYS = (*ENV_FILES.values(), "RESHARD_MTLS", "RESHARD_TOKEN_FILE", "RESHARD_INSECURE",
+_ENV_KEYS = (*ENV_FILES.values(), "RESHARD_MTLS", "RESHARD_TOKEN_FILE", "RESHARD_TOKENS_DIR", "RESHARD_INSECURE",
              *(f"RESHARD_TOKEN_{r.upper()}" for r in ROLES))
 _current: tuple[tuple, Security] | None = None
 
@@ -210,7 +232,7 @@ def current() -> Security:
 
 
 FLAG_ENV = {"tls_cert": "RESHARD_TLS_CERT", "tls_key": "RESHARD_TLS_KEY", "tls_ca": "RESHARD_TLS_CA",
-            "token_file": "RESHARD_TOKEN_FILE"}
+            "token_file": "RESHARD_TOKEN_FILE", "tokens_dir": "RESHARD_TOKENS_DIR"}
 
 
 def _bearer(metadata) -> str:

@@ -247,6 +247,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 if self.epoch:
                     log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
                 self.epoch = req.epoch
+            # A caller's deadline is clamped by ours: a timeout_s of 1e9 must not pin the data plane.
+            req.timeout_s = min(req.timeout_s if req.timeout_s > 0 else self.deadlines.update_s, self.deadlines.update_s)
             u = _Update(req, self.hub.world)
             self.hub.meter.reset()
             self.hub.meter.add("BeginUpdateRequest", req)

@@ -179,7 +179,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     async def WaitForVersion(self, req: pb.WaitForVersionRequest, context):
         if not req.version.run:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WaitForVersionRequest.version.run is required")
-        deadline = time.monotonic() + (req.timeout_s or self.deadlines.update_s * 2)
+        wait = min(req.timeout_s if req.timeout_s > 0 else self.deadlines.update_s * 2, 24 * 3600.0)  # clamped: nobody parks a call for years
+        deadline = time.monotonic() + wait
         async with self.changed:
             while True:
                 out = self._outcome_for(req.version)
@@ -187,7 +188,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     return out
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"version {_v(req.version)} not committed within {req.timeout_s or self.deadlines.update_s * 2:.0f}s")
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"version {_v(req.version)} not committed within {wait:.0f}s")
                 try:
                     await asyncio.wait_for(self.changed.wait(), left)
                 except asyncio.TimeoutError:

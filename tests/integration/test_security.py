@@ -129,6 +129,7 @@ def test_tls_and_tokens_end_to_end(pki, tmp_path):
         stop_processes(procs)
 
 
+@pytest.mark.slow  # about 15 s of CLI starts
 def test_off_loopback_needs_tls_and_authentication(pki, tmp_path):
     """Plaintext off loopback, or TLS without tokens or client certificates, is refused before
     anything starts; --insecure starts it, with a warning."""
@@ -151,5 +152,38 @@ def test_off_loopback_needs_tls_and_authentication(pki, tmp_path):
             assert p.poll() is None and time.monotonic() - t0 < 60, log_path.read_text()[-2000:]
             time.sleep(0.1)
         assert "(--insecure): anyone who reaches it can read and replace the weights" in log_path.read_text()
+    finally:
+        stop_processes([p])
+
+
+@pytest.mark.slow  # about 20 s
+def test_mutual_tls_with_reshard_certs(pki, tmp_path):
+    """`reshard certs` output runs a service with mutual TLS and tokens: the operator's CLI with
+    the client certificate gets in; a certificate from another CA, or none, does not."""
+    d = tmp_path / "certs"
+    r = subprocess.run([*module_command("reshard.cli"), "certs", "--out", str(d)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    inf = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / "inference.log"
+    with open(log_path, "w") as log:
+        p = _start(["inference", "--listen", inf, "--workers", "1", "--model", "tiny", "--tls-cert", str(d / "server.pem"),
+                    "--tls-key", str(d / "server-key.pem"), "--tls-ca", str(d / "ca.pem"), "--mtls",
+                    "--tokens-dir", str(d)], env, log)
+    try:
+        status = [*module_command("reshard.cli"), "status", "--inference", inf, "--json", "--tls-ca", str(d / "ca.pem"),
+                  "--token-file", str(d / "operator.token")]
+        mine = ["--tls-cert", str(d / "client.pem"), "--tls-key", str(d / "client-key.pem")]
+        t0 = time.monotonic()
+        while True:
+            r = subprocess.run(status + mine, env=env, capture_output=True, text=True, timeout=60)
+            if r.returncode == 0 and json.loads(r.stdout)["serving_state"] == "SERVING":
+                break
+            assert time.monotonic() - t0 < 60, r.stderr + log_path.read_text()[-3000:]
+            time.sleep(0.3)
+        foreign = ["--tls-cert", str(pki / "cert.pem"), "--tls-key", str(pki / "key.pem")]  # signed by another CA
+        for creds in (foreign, []):
+            r = subprocess.run(status + creds, env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and "UNAVAILABLE" in r.stderr, r.stderr
     finally:
         stop_processes([p])

@@ -23,7 +23,7 @@ def test_token_file(tmp_path):
     f.write_text("# ops\noperator aaaaaaaaaaaaaaaaaaaa\n\nadmin bbbbbbbbbbbbbbbbbbbb  # the admins\npeer cccccccccccccccc\n")
     assert read_tokens(str(f)) == {"operator": ["a" * 20], "admin": ["b" * 20], "peer": ["c" * 16]}
     f.write_text("root aaaaaaaaaaaaaaaaaaaa\n")
-    with pytest.raises(SecurityError, match=":1: expected `role token`"):
+    with pytest.raises(SecurityError, match=":1: expected a token, or `role token`"):
         read_tokens(str(f))
     f.write_text("peer short\n")
     with pytest.raises(SecurityError, match="at least 16 characters"):
@@ -69,3 +69,21 @@ def test_inconsistent_flags_are_refused(monkeypatch):
         Security.from_env(cert="c.pem", key="k.pem", mtls=True)
     monkeypatch.setenv("RESHARD_TOKEN_WORKER", "w" * 20)
     assert Security.from_env().token("worker") == "w" * 20
+
+
+def test_a_layout_that_inflates_past_the_limit_is_refused_before_it_takes_the_memory():
+    import resource
+    import zlib
+
+    from reshard.common.columns import WIRE_MAGIC
+    from reshard.common.layout import Layout, LayoutError
+
+    z = zlib.compressobj(9)
+    zero = bytes(64 << 20)
+    bomb = WIRE_MAGIC + b"".join(z.compress(zero) for _ in range(8)) + z.flush()  # 512 MiB of zeros in < 1 MB
+    assert len(bomb) < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(LayoutError, match="inflates past 256 MiB"):
+        Layout.from_bytes(bomb)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 400, grown_mib  # at most the limit, never the 512 MiB

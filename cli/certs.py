@@ -1,0 +1,110 @@
+"""`reshard certs --out DIR`: a development CA, server and client certificates, and one token
+per role, so that services run with TLS and tokens from the start.
+
+Writes ca.pem, server.pem, server-key.pem, client.pem, client-key.pem and operator.token,
+admin.token, peer.token, worker.token (keys and tokens readable by their owner only). A
+service takes `--tls-cert server.pem --tls-key server-key.pem --tls-ca ca.pem --tokens-dir DIR`;
+an operator `--tls-ca ca.pem --token-file DIR/operator.token`. For production, issue the
+certificates from your own CA and keep the tokens in your secret store."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import secrets
+import sys
+
+from reshard.common.security import ROLES
+
+FILES = ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem", *(f"{r}.token" for r in ROLES))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("certs", help="write a development CA, certificates and tokens (TLS and tokens on from the start)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder to write into (created; existing files are kept unless --force)")
+    p.add_argument("--host", action="append", default=[],
+                   help="a name or IP address the server certificate is valid for (repeat; default localhost and 127.0.0.1)")
+    p.add_argument("--days", type=int, default=365, help="validity of the certificates (default 365)")
+    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    p.set_defaults(_main=main)
+
+
+def _write(path: str, data: bytes, private: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def main(a) -> int:
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError:
+        print("reshard certs needs the cryptography package: pip install 'reshard[tls]'", file=sys.stderr)
+        return 2
+    if a.days < 1:
+        print("reshard certs: --days must be at least 1", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    present = [f for f in FILES if os.path.exists(os.path.join(a.out, f))]
+    if present and not a.force:
+        print(f"reshard certs: {a.out} already holds {', '.join(present)}; pass --force to replace them", file=sys.stderr)
+        return 2
+    hosts = a.host or ["localhost", "127.0.0.1"]
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def key():
+        return ec.generate_private_key(ec.SECP256R1())
+
+    def pem_key(k) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    def name(cn: str):
+        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "reshard development"),
+                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def builder(subject, issuer, pub):
+        return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(pub)
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=a.days)))
+
+    ca_key = key()
+    ca_name = name("reshard development CA")
+    ca = (builder(ca_name, ca_name, ca_key.public_key())
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+
+    def san(h: str):
+        try:
+            return x509.IPAddress(ipaddress.ip_address(h))
+        except ValueError:
+            return x509.DNSName(h)
+
+    def leaf(cn: str, usages, names=()):
+        k = key()
+        b = builder(name(cn), ca_name, k.public_key()).add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        if names:
+            b = b.add_extension(x509.SubjectAlternativeName([san(h) for h in names]), critical=False)
+        return k, b.sign(ca_key, hashes.SHA256())
+
+    # Services also call each other (and their workers call them): their certificate serves both ends.
+    server_key, server = leaf(hosts[0], [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], hosts)
+    client_key, client = leaf("reshard client", [ExtendedKeyUsageOID.CLIENT_AUTH])
+    pem = serialization.Encoding.PEM
+    _write(os.path.join(a.out, "ca.pem"), ca.public_bytes(pem), False)
+    _write(os.path.join(a.out, "server.pem"), server.public_bytes(pem), False)
+    _write(os.path.join(a.out, "server-key.pem"), pem_key(server_key), True)
+    _write(os.path.join(a.out, "client.pem"), client.public_bytes(pem), False)
+    _write(os.path.join(a.out, "client-key.pem"), pem_key(client_key), True)
+    for role in ROLES:
+        _write(os.path.join(a.out, f"{role}.token"), (secrets.token_urlsafe(32) + "\n").encode(), True)
+    print(f"wrote {', '.join(FILES)} to {a.out} (server certificate for {', '.join(hosts)}, valid {a.days} days)")
+    return 0
