@@ -8,10 +8,13 @@ import time
 
 import grpc
 import pytest
+from google.protobuf.message_factory import GetMessageClass
 
+from reshard.common.security import METHOD_ROLES, satisfies
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
+from reshard.proto import worker_pb2 as wpb
 
 from .cluster import free_port, stop_processes
 
@@ -112,6 +115,37 @@ def test_tls_and_tokens_end_to_end(pki, tmp_path):
                                       session=pb.Session(id="s"))
         assert call(I, "BeginUpdate", begin, TOKENS["admin"])[0] == grpc.StatusCode.PERMISSION_DENIED
         assert call(T, "AttachInference", pb.AttachRequest(address="10.0.0.1:1"), TOKENS["operator"])[0] == grpc.StatusCode.PERMISSION_DENIED
+        # Every RPC of every service, with no token, an unknown one, and each role that may not call it.
+        before = {a: call(S, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1] for a, S in ((inf, I), (tr, T))}
+        refused = 0
+        for method, role in METHOD_ROLES.items():
+            service, name = method.rsplit("/", 1)
+            addr = inf if "Inference" in service else tr
+            desc = next(d.services_by_name[service.split(".")[-1]] for d in (pb.DESCRIPTOR, wpb.DESCRIPTOR)
+                        if service[1:] in [x.full_name for x in d.services_by_name.values()])
+            m = desc.methods_by_name[name]
+            req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
+            wrong_roles = [r for r in TOKENS if not satisfies({r}, role)]
+            for token, want in [(None, grpc.StatusCode.UNAUTHENTICATED), ("z" * 32, grpc.StatusCode.UNAUTHENTICATED)] + \
+                    [(TOKENS[r], grpc.StatusCode.PERMISSION_DENIED) for r in wrong_roles]:
+                md = [("authorization", f"Bearer {token}")] if token else None
+                with grpc.secure_channel(addr, _creds(pki)) as ch:
+                    kind = (m.client_streaming, m.server_streaming)
+                    fn = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
+                          (True, True): ch.stream_stream}[kind](method, request_serializer=req_cls.SerializeToString,
+                                                                 response_deserializer=rep_cls.FromString)
+                    arg = iter([req_cls()]) if m.client_streaming else req_cls()
+                    with pytest.raises(grpc.RpcError) as e:
+                        out = fn(arg, timeout=10, metadata=md)
+                        if m.server_streaming:
+                            list(out)
+                    assert e.value.code() == want, (method, token and token[:3], e.value.code(), e.value.details())
+                    refused += 1
+        assert refused >= 3 * len(METHOD_ROLES)
+        for a, S in ((inf, I), (tr, T)):  # nothing changed: versions, deployments, workers
+            after = call(S, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
+            assert (after.version, list(after.deployments), [(w.rank, w.pid, w.version) for w in after.workers]) == \
+                (before[a].version, list(before[a].deployments), [(w.rank, w.pid, w.version) for w in before[a].workers])
         st = call(I, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
         assert st.version.run == "sec" and st.serving_state == "SERVING"
         # Health stays open (container probes), weights do not.
