@@ -47,6 +47,8 @@ def apply_flags(a) -> Security:
     for attr, var in (("mtls", "RESHARD_MTLS"), ("insecure", "RESHARD_INSECURE")):
         if getattr(a, attr, False):
             os.environ[var] = "1"
+    if getattr(a, "allow_peer", None):
+        os.environ["RESHARD_ALLOW_PEERS"] = ",".join(a.allow_peer)
     return current()
 
 
@@ -120,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
     service_args(p, "InferenceWorkers embedded in a serving engine")
+    p.add_argument("--allow-peer", action="append", default=[],
+                   help="with --mtls: a trainer identity (name in its client certificate) that may push here; repeat "
+                        "(RESHARD_ALLOW_PEERS, comma-separated; default: any certificate the CA signed)")
 
     p = sub.add_parser("trainer", help="run trainer_svc with standalone synthetic workers")
     p.add_argument("--listen", type=_address("listen address"), required=True)

@@ -47,6 +47,12 @@ class Deadlines:
             raise ValueError("deadlines must be positive seconds")
 
 
+def clamp_timeout(requested: float, default: float, limit: float) -> float:
+    """A caller's timeout, bounded by the server's: `default` when it gives none (or a
+    non-positive one), never more than `limit`."""
+    return min(requested if requested > 0 else default, limit)
+
+
 def parse_address(addr: str, what: str = "address") -> tuple[str, int]:
     """'HOST:PORT' -> (host, port), with an error a user can act on."""
     host, sep, port = addr.rpartition(":")

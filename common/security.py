@@ -128,6 +128,7 @@ class Security:
     insecure: bool = False
     token_file: str = ""
     tokens: tuple[tuple[str, str], ...] = ()  # (role, token)
+    allow_peers: tuple[str, ...] = ()  # with mutual TLS: the certificate names (CN or SAN) a peer call may come from
 
     @classmethod
     def from_env(cls, **override) -> "Security":
@@ -135,7 +136,8 @@ class Security:
         with `override` (a command's flags, where given) taking precedence."""
         env = {k: os.environ.get(v, "") for k, v in ENV_FILES.items()}
         kw = {"cert": env["cert"], "key": env["key"], "ca": env["ca"], "mtls": os.environ.get("RESHARD_MTLS", "") == "1",
-              "token_file": os.environ.get("RESHARD_TOKEN_FILE", ""), "insecure": os.environ.get("RESHARD_INSECURE", "") == "1"}
+              "token_file": os.environ.get("RESHARD_TOKEN_FILE", ""), "insecure": os.environ.get("RESHARD_INSECURE", "") == "1",
+              "allow_peers": tuple(p for p in os.environ.get("RESHARD_ALLOW_PEERS", "").split(",") if p.strip())}
         kw.update({k: v for k, v in override.items() if v})
         tokens = [(role, t) for role, ts in (read_tokens(kw["token_file"]).items() if kw["token_file"] else ()) for t in ts]
         tokens_dir = kw.pop("tokens_dir", "") or os.environ.get("RESHARD_TOKENS_DIR", "")
@@ -152,6 +154,19 @@ class Security:
             raise SecurityError("--tls-cert and --tls-key go together")
         if self.mtls and not (self.ca and self.cert):
             raise SecurityError("--mtls needs --tls-ca (the CA that signs client certificates) and a server certificate")
+        if self.allow_peers and not self.mtls:
+            raise SecurityError("--allow-peer needs --mtls: a peer's identity is the name in its client certificate")
+
+    def check_peer(self, auth_context: dict) -> str:
+        """'' when a peer call with this gRPC auth context may proceed; else why not."""
+        if not self.allow_peers:
+            return ""
+        names = [v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+                 for k in ("x509_common_name", "x509_subject_alternative_name") for v in auth_context.get(k, ())]
+        if any(n in self.allow_peers for n in names):
+            return ""
+        return (f"certificate {', '.join(names) or '(none)'} may not make peer calls here; "
+                f"allowed: {', '.join(self.allow_peers)} (--allow-peer)")
 
     @property
     def tls(self) -> bool:
@@ -218,6 +233,7 @@ class Security:
 
 
 _ENV_KEYS = (*ENV_FILES.values(), "RESHARD_MTLS", "RESHARD_TOKEN_FILE", "RESHARD_TOKENS_DIR", "RESHARD_INSECURE",
+             "RESHARD_ALLOW_PEERS",
              *(f"RESHARD_TOKEN_{r.upper()}" for r in ROLES))
 _current: tuple[tuple, Security] | None = None
 

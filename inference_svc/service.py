@@ -18,7 +18,8 @@ from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, serve_control
 from reshard.common.layout import Layout, LayoutError, dtype_of
 from reshard.common import faults, verify
 from reshard.common.planner import Plan, PlanOptions, make_plan
-from reshard.common.rpc import Deadlines, keep_task, run_main
+from reshard.common.security import current as current_security
+from reshard.common.rpc import Deadlines, clamp_timeout, keep_task, run_main
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -186,7 +187,14 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return None
 
     # -- RPCs ----------------------------------------------------------------------------
+    async def _peer(self, context) -> None:
+        """With --allow-peer: only those trainer identities (client certificate names) may push here."""
+        why = current_security().check_peer(context.auth_context())
+        if why:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
     async def GetLayout(self, request, context):
+        await self._peer(context)
         try:
             await self.hub.wait_complete(self.deadlines.rpc_s)
             _, fp, data = await self.hub.layout()
@@ -200,6 +208,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return f"{self.instance}:{self.hub.generation}:" + ",".join(f"{w.rank}/{w.pid}" for w in self.hub.alive())
 
     async def BeginUpdate(self, req: pb.BeginUpdateRequest, context):
+        await self._peer(context)
         if not req.update_id or not req.version.run or not (req.src_layout or req.src_fingerprint) or not req.session.id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "BeginUpdate needs update_id, version.run, src_layout (or src_fingerprint) and session")
@@ -248,7 +257,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
                 self.epoch = req.epoch
             # A caller's deadline is clamped by ours: a timeout_s of 1e9 must not pin the data plane.
-            req.timeout_s = min(req.timeout_s if req.timeout_s > 0 else self.deadlines.update_s, self.deadlines.update_s)
+            req.timeout_s = clamp_timeout(req.timeout_s, self.deadlines.update_s, self.deadlines.update_s)
             u = _Update(req, self.hub.world)
             self.hub.meter.reset()
             self.hub.meter.add("BeginUpdateRequest", req)
@@ -294,6 +303,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def FinishUpdate(self, req: pb.FinishUpdateRequest, context):
         """Verify and commit on every rank, once: a retried call (or one that arrives while the
         first still runs) gets the same outcome, and a caller that goes away does not stop it."""
+        await self._peer(context)
         done = self.finished.get(req.update_id)
         u = self.update
         if done is None and (u is None or u.id != req.update_id):
@@ -374,6 +384,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return reply
 
     async def AbortUpdate(self, req: pb.AbortUpdateRequest, context):
+        await self._peer(context)
         u = self.update
         if u is not None and u.id == req.update_id and u.phase in FINISHING:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

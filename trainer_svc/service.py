@@ -20,7 +20,7 @@ from reshard.common.backend import BACKENDS, BackendError, select_backend
 from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
 from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
-from reshard.common.rpc import Deadlines, channel, parse_address, run_main, status_error
+from reshard.common.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
 from reshard.common.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -179,7 +179,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     async def WaitForVersion(self, req: pb.WaitForVersionRequest, context):
         if not req.version.run:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WaitForVersionRequest.version.run is required")
-        wait = min(req.timeout_s if req.timeout_s > 0 else self.deadlines.update_s * 2, 24 * 3600.0)  # clamped: nobody parks a call for years
+        wait = clamp_timeout(req.timeout_s, self.deadlines.update_s * 2, 24 * 3600.0)  # nobody parks a call for years
         deadline = time.monotonic() + wait
         async with self.changed:
             while True:

@@ -221,3 +221,40 @@ def test_mutual_tls_with_reshard_certs(pki, tmp_path):
             assert r.returncode == 2 and "UNAVAILABLE" in r.stderr, r.stderr
     finally:
         stop_processes([p])
+
+
+@pytest.mark.slow  # two deployments' starts: about 30 s
+def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(tmp_path):
+    """--mtls --allow-peer NAME: a trainer whose client certificate does not carry NAME cannot
+    push (PERMISSION_DENIED, nothing served changes); the named one can."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    for who in ("inference", "trainer-a", "trainer-b"):
+        c = ca.issue_cert(who, "127.0.0.1", "localhost")
+        c.private_key_pem.write_to_path(str(tmp_path / f"{who}-key.pem"))
+        c.cert_chain_pems[0].write_to_path(str(tmp_path / f"{who}.pem"))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    env_of = lambda who: dict(base, RESHARD_TLS_CERT=str(tmp_path / f"{who}.pem"), RESHARD_TLS_KEY=str(tmp_path / f"{who}-key.pem"),  # noqa: E731
+                              RESHARD_TLS_CA=str(tmp_path / "ca.pem"), RESHARD_MTLS="1")
+    inf = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / "services.log"
+    procs = []
+    try:
+        with open(log_path, "w") as log:
+            procs.append(_start(["inference", "--listen", inf, "--workers", "1", "--model", "tiny", "--allow-peer", "trainer-a"],
+                                env_of("inference"), log))
+            for who in ("trainer-b", "trainer-a"):
+                tr = f"127.0.0.1:{free_port()}"
+                procs.append(_start(["trainer", "--listen", tr, "--workers", "1", "--model", "tiny", "--inference", inf,
+                                     "--run", who], env_of(who), log))
+                r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--wait", "--json",
+                                    "--timeout", "60"], env=env_of(who), capture_output=True, text=True, timeout=120)
+                if who == "trainer-b":
+                    assert r.returncode != 0 and "may not make peer calls here" in r.stdout + r.stderr, r.stdout + r.stderr
+                    stop_processes([procs.pop()])
+                else:
+                    assert r.returncode == 0, r.stderr + log_path.read_text()[-3000:]
+                    assert json.loads(r.stdout)["committed"]["run"] == "trainer-a"
+    finally:
+        stop_processes(procs)

@@ -87,3 +87,22 @@ def test_a_layout_that_inflates_past_the_limit_is_refused_before_it_takes_the_me
         Layout.from_bytes(bomb)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 400, grown_mib  # at most the limit, never the 512 MiB
+
+
+def test_callers_timeouts_are_clamped_by_the_server():
+    from reshard.common.rpc import clamp_timeout
+
+    assert clamp_timeout(1e9, 120.0, 120.0) == 120.0  # a timeout_s of 1e9 must not pin the data plane
+    assert clamp_timeout(30.0, 120.0, 120.0) == 30.0
+    assert clamp_timeout(0.0, 120.0, 120.0) == 120.0 and clamp_timeout(-5.0, 240.0, 86400.0) == 240.0
+
+
+def test_peer_identities():
+    s = Security(cert="c", key="k", ca="a", mtls=True, allow_peers=("trainer-a",))
+    assert s.check_peer({"x509_common_name": [b"trainer-a"]}) == ""
+    assert s.check_peer({"x509_subject_alternative_name": [b"127.0.0.1", b"trainer-a"]}) == ""
+    assert "may not make peer calls" in s.check_peer({"x509_common_name": [b"trainer-b"]})
+    assert "(none)" in s.check_peer({})
+    assert Security().check_peer({}) == ""  # no list: any caller the CA signed (and the token allows)
+    with pytest.raises(SecurityError, match="--allow-peer needs --mtls"):
+        Security(allow_peers=("x",)).check()
