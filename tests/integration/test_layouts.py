@@ -24,10 +24,9 @@ CASES = [
 ]
 
 
-# make test keeps the last case (EP on inference, relays); the others are slow (over 12 s each).
-@pytest.mark.parametrize("model,src,dst,bucket", [
-    pytest.param(*(c if len(c) == 4 else (*c, 0)), marks=[] if i == len(CASES) - 1 else [pytest.mark.slow])
-    for i, c in enumerate(CASES)])
+# Over 12 s each: with the slow tests (the planner's property tests cover these layouts in make test).
+@pytest.mark.slow
+@pytest.mark.parametrize("model,src,dst,bucket", [c if len(c) == 4 else (*c, 0) for c in CASES])
 def test_layout_pair_end_to_end(model, src, dst, bucket):
     c = Cluster(model, trainer_layout=src, inference_layout=dst, bucket_bytes=bucket)
     try:

@@ -279,6 +279,7 @@ def test_versions_never_go_backwards_and_a_newer_trainer_controller_fences_the_o
         c.close()
 
 
+@pytest.mark.slow  # the failure matrix's trainer COMMIT kill restarts a trainer controller in make test
 def test_a_restarted_trainer_controller_recovers_what_its_workers_published(tmp_path):
     """The trainer controller dies while it pushes an embedded trainer's step: restarted with the
     same command line, it learns the published version from its workers' hellos and pushes it, and
