@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sec = apply_flags(a)  # credentials from flags and the environment, checked before anything starts
             if a.command in ("inference", "trainer"):
-                sec.check_listen(parse_address(a.listen)[0], f"reshard {a.command}")
+                sec.check_listen(parse_address(a.listen)[0], f"reshard {a.command}", warn=False)  # the server warns
         except SecurityError as e:
             print(f"reshard {a.command}: {e}", file=sys.stderr)
             return 2

@@ -43,7 +43,7 @@ def _col_weights(j0: int, n: int) -> np.ndarray:
 
 
 def _col_weight(j: int) -> int:
-    return int(mix31(torch.tensor([j + _COL_SALT], dtype=torch.int64))[0]) | 1
+    return int(_col_weights(j, 1)[0])
 
 
 def _row_weights(offset: tuple[int, ...], lead_size: tuple[int, ...], lead_shape: tuple[int, ...]) -> torch.Tensor:

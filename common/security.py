@@ -172,15 +172,6 @@ class Security:
     def tls(self) -> bool:
         return bool(self.cert or self.ca)
 
-    def env(self) -> dict[str, str]:
-        """The environment that gives a child process (a standalone worker) these credentials."""
-        out = {v: getattr(self, k) for k, v in ENV_FILES.items() if getattr(self, k)}
-        if self.mtls:
-            out["RESHARD_MTLS"] = "1"
-        if self.token_file:
-            out["RESHARD_TOKEN_FILE"] = os.path.abspath(self.token_file)
-        return out
-
     def token(self, role: str) -> str:
         """The token this process sends for a call that needs `role`: one of that role (an admin's
         for an operator's call), else any it holds, so that a refusal names the role it lacks."""
@@ -191,8 +182,9 @@ class Security:
         return self.tokens[0][1] if self.tokens else ""
 
     # -- servers ------------------------------------------------------------------------
-    def check_listen(self, host: str, what: str) -> None:
-        """Refuse a listen address that would answer unauthenticated callers off loopback."""
+    def check_listen(self, host: str, what: str, warn: bool = True) -> None:
+        """Refuse a listen address that would answer unauthenticated callers off loopback (with
+        --insecure, allow it and warn, unless `warn` is False: the server warns when it starts)."""
         if is_loopback(host):
             return
         if not self.cert:
@@ -202,8 +194,9 @@ class Security:
         else:
             return
         if self.insecure:
-            log.warning("%s listens on %s %s (--insecure): anyone who reaches it can read and replace the weights",
-                        what, host, problem)
+            if warn:
+                log.warning("%s listens on %s %s (--insecure): anyone who reaches it can read and replace the weights",
+                            what, host, problem)
             return
         raise SecurityError(f"refusing to listen on {host} {problem}: anyone who reaches it could read or replace the "
                             "weights; configure them, listen on loopback, or pass --insecure on a network you trust")

@@ -195,13 +195,13 @@ class Supervisor:
     def accepts(self, rank: int, pid: int) -> bool:
         """Whether a worker process `pid` may attach as `rank`: not while another process we run (or
         wait for) holds that rank; an orphan that comes late takes a rank nobody holds."""
-        r = self.ranks.get(rank)
-        if r is None:
+        if rank not in self.ranks:
             return False
-        holder = self._expect.get(rank, 0) if r.state == "ADOPTING" else r.pid
+        holder = self.holder(rank)
         return not holder or holder == pid
 
     def holder(self, rank: int) -> int:
+        """The process that holds `rank` (or that it waits for while adopting); 0 for none."""
         r = self.ranks[rank]
         return self._expect.get(rank, 0) if r.state == "ADOPTING" else r.pid
 

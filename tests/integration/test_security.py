@@ -248,6 +248,17 @@ def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(t
                 tr = f"127.0.0.1:{free_port()}"
                 procs.append(_start(["trainer", "--listen", tr, "--workers", "1", "--model", "tiny", "--inference", inf,
                                      "--run", who], env_of(who), log))
+                creds = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes(), (tmp_path / f"{who}-key.pem").read_bytes(),
+                                                     (tmp_path / f"{who}.pem").read_bytes())
+                t0 = time.monotonic()
+                while True:  # the trainer answers before it is asked to update
+                    try:
+                        with grpc.secure_channel(tr, creds) as ch:
+                            rgrpc.TrainerServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=5)
+                        break
+                    except grpc.RpcError:
+                        assert time.monotonic() - t0 < 60, log_path.read_text()[-3000:]
+                        time.sleep(0.2)
                 r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--wait", "--json",
                                     "--timeout", "60"], env=env_of(who), capture_output=True, text=True, timeout=120)
                 if who == "trainer-b":
