@@ -2,7 +2,7 @@
 #
 #   docker build -t reshard .                       # CPU (gloo data plane)
 #   docker run --rm reshard demo --model small      # the local 2 -> 4 demo inside one container
-#   docker compose up                               # inference + trainer + one update (docker-compose.yml)
+#   docker compose up                               # certs (once), inference + trainer + one update (docker-compose.yml)
 #
 # Build arguments
 #   TORCH_SPEC      the torch requirement installed before the project (default torch==2.13.0).
@@ -44,12 +44,18 @@ COPY trainer_svc ./trainer_svc
 COPY inference_svc ./inference_svc
 COPY proto ./proto
 
-RUN if [ "${WITH_NCCL}" = "1" ]; then pip install ".[nccl]"; else pip install .; fi \
-    && python -c "import reshard.cli, torch; print('reshard installed, torch', torch.__version__)" \
+# The tls extra (cryptography) is what `reshard certs` needs: docker-compose.yml issues its certificates
+# and tokens with this image.
+RUN if [ "${WITH_NCCL}" = "1" ]; then pip install ".[nccl,tls]"; else pip install ".[tls]"; fi \
+    && python -c "import reshard.cli, torch, cryptography; print('reshard installed, torch', torch.__version__)" \
     && cd / && rm -rf /src
 
 # Run as an unprivileged user. The services spawn their workers as child processes of the same user.
-RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin reshard
+# /certs is where docker-compose.yml mounts its `certs` volume: docker gives a new, empty named volume
+# the owner and mode of the image's folder, so this one lets `reshard certs` (as this user) write it
+# and keeps it closed to others.
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin reshard \
+    && install -d -o reshard -g reshard -m 0700 /certs
 USER reshard
 WORKDIR /home/reshard
 

@@ -5,7 +5,11 @@ Writes ca.pem, server.pem, server-key.pem, client.pem, client-key.pem and operat
 admin.token, peer.token, worker.token (keys and tokens readable by their owner only). A
 service takes `--tls-cert server.pem --tls-key server-key.pem --tls-ca ca.pem --tokens-dir DIR`;
 an operator `--tls-ca ca.pem --token-file DIR/operator.token`. For production, issue the
-certificates from your own CA and keep the tokens in your secret store."""
+certificates from your own CA and keep the tokens in your secret store.
+
+`--keep-existing` makes it safe to run at every start (docker-compose.yml's `certs` service):
+a folder that already holds every file is left as it is (same CA, same tokens), an empty one is
+filled, and one that holds only some of them is refused, never completed or overwritten."""
 
 from __future__ import annotations
 
@@ -27,14 +31,33 @@ def add_parser(sub) -> None:
     p.add_argument("--host", action="append", default=[],
                    help="a name or IP address the server certificate is valid for (repeat; default localhost and 127.0.0.1)")
     p.add_argument("--days", type=int, default=365, help="validity of the certificates (default 365)")
-    p.add_argument("--force", action="store_true", help="overwrite existing files")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--force", action="store_true", help="overwrite existing files")
+    g.add_argument("--keep-existing", action="store_true",
+                   help="succeed without writing when --out already holds every file (a restart keeps its CA and "
+                        "tokens); still refuse a folder holding only some of them")
     p.set_defaults(_main=main)
 
 
 def _write(path: str, data: bytes, private: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    mode = 0o600 if private else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)  # --force over an existing file: O_CREAT's mode applies to new files only
         f.write(data)
+
+
+def _server_names(path: str) -> set[str]:
+    """The names (DNS and IP SANs) an existing server certificate is valid for; empty if unreadable."""
+    from cryptography import x509
+
+    try:
+        with open(path, "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return set()
+    return {*san.get_values_for_type(x509.DNSName), *(str(ip) for ip in san.get_values_for_type(x509.IPAddress))}
 
 
 def main(a) -> int:
@@ -51,10 +74,23 @@ def main(a) -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     present = [f for f in FILES if os.path.exists(os.path.join(a.out, f))]
-    if present and not a.force:
-        print(f"reshard certs: {a.out} already holds {', '.join(present)}; pass --force to replace them", file=sys.stderr)
-        return 2
     hosts = a.host or ["localhost", "127.0.0.1"]
+    if a.keep_existing and len(present) == len(FILES):
+        missing = [h for h in hosts if h not in _server_names(os.path.join(a.out, "server.pem"))]
+        if missing:
+            print(f"reshard certs: warning: the kept {a.out}/server.pem is not valid for {', '.join(missing)}; "
+                  "delete the folder's files or pass --force to issue new ones", file=sys.stderr)
+        print(f"kept the existing {', '.join(FILES)} in {a.out}")
+        return 0
+    if present and a.keep_existing:
+        missing = [f for f in FILES if f not in present]
+        print(f"reshard certs: {a.out} holds {', '.join(present)} but not {', '.join(missing)}; refusing to complete or "
+              "overwrite a partial set: remove those files (or pass --force to replace them all)", file=sys.stderr)
+        return 2
+    if present and not a.force:
+        print(f"reshard certs: {a.out} already holds {', '.join(present)}; pass --force to replace them "
+              "(or --keep-existing to keep a complete set)", file=sys.stderr)
+        return 2
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def key():

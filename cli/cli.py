@@ -52,6 +52,16 @@ def apply_flags(a) -> Security:
     return current()
 
 
+def _worker_address(v: str) -> str:
+    from reshard.common.rpc import parse_target
+
+    try:
+        parse_target(v, "worker listen address")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return v
+
+
 def _address(what: str):
     def parse(s: str) -> str:
         try:
@@ -106,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where standalone workers keep the weights: cpu, cuda (worker rank %% GPU count) or cuda:N")
         p.add_argument("--rpc-timeout", type=_positive, default=10.0, help="deadline of control-plane calls, seconds")
         p.add_argument("--update-timeout", type=_positive, default=120.0, help="deadline of one whole update, seconds")
+        p.add_argument("--worker-listen", type=_worker_address, default=None,
+                       help="where the workers attach (the worker protocol, never on --listen): HOST:PORT, or "
+                            "unix:/PATH (default: a Unix socket in the private run folder, printed at start and in "
+                            "`reshard status`; embedded workers on other hosts need HOST:PORT)")
         p.add_argument("--worker-timeout", type=_positive, default=5.0,
                        help="a worker silent this long (frozen) fails the update in flight, seconds")
         add_server_flags(p)
@@ -329,6 +343,8 @@ async def cmd_status(a) -> int:
         print(f"  update {p.version.run}:{p.version.step}: {p.phase} {p.bytes_done}/{p.bytes_total} bytes ({pct:.0f}%)")
     if st.last_error:
         print(f"  last error: {st.last_error}")
+    if st.worker_address:
+        print(f"  workers attach at {st.worker_address}")
     for w in st.workers:
         wv = f"{w.version.run}:{w.version.step}" if w.has_version else "none"
         print(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else "")
@@ -402,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             sec = apply_flags(a)  # credentials from flags and the environment, checked before anything starts
             if a.command in ("inference", "trainer"):
                 sec.check_listen(parse_address(a.listen)[0], f"reshard {a.command}", warn=False)  # the server warns
+                if a.worker_listen and not a.worker_listen.startswith("unix:"):
+                    sec.for_workers([]).check_listen(parse_address(a.worker_listen)[0], f"reshard {a.command} --worker-listen",
+                                                     warn=False)
         except SecurityError as e:
             print(f"reshard {a.command}: {e}", file=sys.stderr)
             return 2
@@ -416,12 +435,13 @@ def main(argv: list[str] | None = None) -> int:
             from reshard.inference_svc.service import main as inf_main
 
             return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl, spawn_workers=not a.external_workers,
-                            layout=a.layout, device=a.device)
+                            layout=a.layout, device=a.device, worker_listen=a.worker_listen or "")
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
-                       master_dtype=a.master_dtype, backend=a.backend, device=a.device, allow_rollback=a.allow_rollback)
+                       master_dtype=a.master_dtype, backend=a.backend, device=a.device, allow_rollback=a.allow_rollback,
+                       worker_listen=a.worker_listen or "")
     if a.command == "doctor":
         from reshard.doctor import main as doctor_main
 

@@ -253,7 +253,8 @@ def merge_ranks(parts: Sequence, rank_part: Sequence[int]):
 
 # -- the wire form ------------------------------------------------------------------------
 
-WIRE_MAGIC = b"RSL2c"
+WIRE_MAGIC = b"RSL3c"  # then the inflated size (8 bytes, little-endian), then the zlib stream
+_OLD_MAGICS = (b"RSL2c",)
 _PIECE_FIELDS = ("p_tensor", "p_buf", "p_flat", "r_off", "r_size", "r_ndim", "off", "size", "ndim")
 _BUF_FIELDS = ("buf_name", "buf_dtype", "buf_shape", "buf_ndim")
 
@@ -295,7 +296,6 @@ def encode(layout) -> bytes:
     decoding are array copies, not per-piece work: a DeepSeek-V3 vLLM layout (1.1 million
     pieces) takes a fraction of a second each way."""
     import json
-    import zlib
 
     names, classes, rank_class = layout_classes(layout)
     w = max([1] + [k.buf_shape.shape[1] for k in classes])
@@ -315,7 +315,33 @@ def encode(layout) -> bytes:
         "arrays": arrays,
     }
     head = json.dumps(header, separators=(",", ":")).encode()
-    return WIRE_MAGIC + zlib.compress(len(head).to_bytes(8, "little") + head + b"".join(blobs), 1)
+    return wire(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def wire(raw: bytes) -> bytes:
+    """The wire form of a layout's raw bytes: magic, the inflated size it declares, the zlib stream."""
+    import zlib
+
+    return WIRE_MAGIC + len(raw).to_bytes(8, "little") + zlib.compress(raw, 1)
+
+
+def unwire(data: bytes, limit: int | None = None) -> bytes:
+    """The raw bytes of a wire form. A declared size above `limit` (MAX_INFLATED) is refused before
+    anything is inflated, and a stream that inflates to any other size is malformed."""
+    from .layout import LayoutError
+
+    if data[:len(WIRE_MAGIC)] in _OLD_MAGICS:
+        raise LayoutError("the layout comes from an older reshard version: run the same version on every controller and worker")
+    if data[:len(WIRE_MAGIC)] != WIRE_MAGIC or len(data) < len(WIRE_MAGIC) + 8:
+        raise LayoutError("malformed layout: not the reshard layout wire form")
+    limit = MAX_INFLATED if limit is None else limit
+    size = int.from_bytes(data[len(WIRE_MAGIC):len(WIRE_MAGIC) + 8], "little")
+    if size > limit:
+        raise LayoutError(f"layout refused: it declares {size} bytes inflated, over the limit of {limit >> 20} MiB")
+    raw = inflate(data[len(WIRE_MAGIC) + 8:], size)
+    if len(raw) != size:
+        raise LayoutError(f"malformed layout: it declares {size} bytes inflated and inflates to {len(raw)}")
+    return raw
 
 
 MAX_INFLATED = 256 << 20  # a layout inflates to at most this (Kimi-K2 Megatron tp8 dp32 ep32: 32 MB)
@@ -334,7 +360,7 @@ def inflate(data: bytes, limit: int = MAX_INFLATED) -> bytes:
         parts.append(chunk)
         total += len(chunk)
         if total > limit:
-            raise LayoutError(f"malformed layout: it inflates past {limit >> 20} MiB")
+            raise LayoutError(f"malformed layout: it inflates past the {limit} bytes it declares")
         rest = d.unconsumed_tail
         if not rest:
             break
@@ -353,7 +379,7 @@ def decode(data: bytes):
     from .layout import Layout, LayoutError, TensorSpec
 
     try:
-        raw = inflate(data[len(WIRE_MAGIC):])
+        raw = unwire(data)
         n = int.from_bytes(raw[:8], "little")
         h = json.loads(raw[8:8 + n])
         tensors = {name: TensorSpec(name, tuple(shape), dt) for name, shape, dt in h["tensors"]}

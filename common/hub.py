@@ -8,6 +8,7 @@ worker dead and fails its pending calls at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -101,6 +102,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.generation = 0  # bumps whenever membership changes
         self.stopping = False
         self.supervisor = None  # common.supervisor.Supervisor, when this controller runs standalone workers
+        self.worker_address = ""  # where its workers attach (serve_controller's worker listener)
         self.default_run = ""  # the run of versions a worker reports without one (a trainer made without run=)
         self.meter = ControlMeter()  # the controller resets it when an update begins
         self._layout: tuple[int, asyncio.Future] | None = None  # (generation, (layout, fingerprint, bytes))
@@ -149,7 +151,10 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         await context.send_initial_metadata(((CONTROLLER_PID_KEY, str(os.getpid())),))
         old = self.workers.get(h.rank)
         if old is not None and old.alive:
-            self._drop(old, "replaced by a new worker of the same rank")
+            if old.pid != h.pid:  # a rank's live worker is never swapped out by a newcomer
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"{self.role} rank {h.rank} is held by live worker pid {old.pid}, not pid {h.pid}")
+            self._drop(old, "its worker attached again")  # the same process, on a new stream
         conn = WorkerConn(h.rank, h, asyncio.Queue(), version=self.own(h.version) if h.has_version else None)
         self.workers[h.rank] = conn
         self.generation += 1
@@ -361,17 +366,34 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         for w in self.alive():
             self._put(w, wpb.ControllerMessage(id=next(self._ids), **command))
 
-    async def read(self, conn: WorkerConn, tensor: str, timeout: float) -> list[wpb.ReadPiece]:
+    async def read(self, conn: WorkerConn, tensor: str, timeout: float, offset: tuple[int, ...] = (),
+                   size: tuple[int, ...] = ()) -> list[wpb.ReadPiece]:
+        """The pieces of `tensor` a worker holds within the region (offset, size) (empty: the whole
+        tensor): each intersection of its boxes with the region, in one or more pieces (byte_offset).
+        A read that times out or whose caller goes away drops the pieces that still arrive for it."""
+        if not conn.alive:
+            raise WorkerError(f"{self.role} worker rank {conn.rank} is not attached")
         cid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         conn.pending[cid] = fut
-        conn.queue.put_nowait(wpb.ControllerMessage(id=cid, read=wpb.Read(tensor=tensor)))
-        try:
-            reply = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            conn.pending.pop(cid, None)
+        conn.queue.put_nowait(wpb.ControllerMessage(id=cid, read=wpb.Read(tensor=tensor, offset=offset, size=size)))
+
+        def drop(f: asyncio.Future) -> None:  # the reply ends the pieces: drop any that came for nobody
             conn.pieces.pop(cid, None)
-            raise WorkerError(f"{self.role} worker rank {conn.rank} did not answer the read within {timeout:.1f}s") from None
+            if not f.cancelled():
+                f.exception()  # retrieved: not logged as never retrieved
+
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except BaseException as e:
+            conn.pieces.pop(cid, None)
+            if fut.done():
+                drop(fut)
+            else:
+                fut.add_done_callback(drop)  # stays pending until the worker answers, dies or falls silent
+            if isinstance(e, asyncio.TimeoutError):
+                raise WorkerError(f"{self.role} worker rank {conn.rank} did not answer the read within {timeout:.1f}s") from None
+            raise
         pieces = conn.pieces.pop(cid, [])
         if not reply.ok:
             raise WorkerError(f"{self.role} worker rank {conn.rank}: {reply.error}")
@@ -402,27 +424,50 @@ def local_host(listen: str) -> str:
 
 
 async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: str, stop: asyncio.Event,
-                           banner: Callable[[str], str], command: Callable[[str, int], list[str]] | None,
-                           background: tuple = (), worker_timeout: float = 5.0) -> int:
-    """Run a controller until `stop`: its gRPC service and the worker stream on one server (with
-    health and reflection), its background coroutines, and (when `command` is given) standalone
-    workers as supervised processes. Shutdown: health NOT_SERVING, workers stopped, server drained."""
+                           banner: Callable[[str, str], str], command: Callable[[str, int], list[str]] | None,
+                           background: tuple = (), worker_timeout: float = 5.0, worker_listen: str = "",
+                           on_listen: Callable[[str], None] | None = None) -> int:
+    """Run a controller until `stop`: its gRPC service (with health and reflection) on `listen`,
+    the worker protocol on a listener of its own (`worker_listen`: HOST:PORT, or by default a
+    Unix socket in the private run folder), its background coroutines, and (when `command` is
+    given) standalone workers as supervised processes, which get a worker token made for them.
+    Shutdown: health NOT_SERVING, workers stopped, servers drained."""
+    import secrets
+
     from reshard.common.rpc import start_server, stop_server
-    from reshard.common.supervisor import Supervisor, run_file
-    from reshard.proto import worker_pb2_grpc as wgrpc
+    from reshard.common.supervisor import Supervisor, recorded_worker_token, run_file
 
     def register(server):
         add_servicer(server)
+        return [service]
+
+    def register_workers(server):
         wgrpc.add_WorkerControlServicer_to_server(hub, server)
-        return [service, wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
+        return [wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
 
     server, hs, port = await start_server(listen, register)
     addr = f"{local_host(listen)}:{port}"
-    print(banner(addr), file=sys.stderr, flush=True)
-    log.info("%s", banner(addr))
+    runs = run_file(hub.role, addr)
+    worker_listen = worker_listen or f"unix:{runs[:-len('.json')]}.sock"
+    # Standalone workers hold a token made for them (kept in the run file, so that a restarted
+    # controller accepts the workers it adopts); external workers bring a configured one.
+    token = (recorded_worker_token(runs) or secrets.token_urlsafe(32)) if command else ""
+    try:
+        wserver, whs, wport = await start_server(worker_listen, register_workers, worker_tokens=[token] if token else [],
+                                                 what="worker listen address")
+    except BaseException:
+        await stop_server(server, hs, 0)
+        raise
+    waddr = worker_listen if worker_listen.startswith("unix:") else f"{local_host(worker_listen)}:{wport}"
+    hub.worker_address = waddr
+    if on_listen:
+        on_listen(waddr)
+    print(banner(addr, waddr), file=sys.stderr, flush=True)
+    log.info("%s", banner(addr, waddr))
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(coro) for coro in (*background, hub.watch_stale(worker_timeout))]
-    sup = Supervisor(hub.role, hub.world, lambda rank: command(addr, rank), run_file=run_file(hub.role, addr)) if command else None
+    sup = Supervisor(hub.role, hub.world, lambda rank: command(waddr, rank), run_file=runs,
+                     env={"RESHARD_TOKEN_WORKER": token}) if command else None
     hub.supervisor = sup
     if sup:
         tasks.append(loop.create_task(sup.run()))
@@ -434,4 +479,8 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     for t in tasks:
         t.cancel()
     await stop_server(server, hs)
+    await stop_server(wserver, whs)
+    if waddr.startswith("unix:"):
+        with contextlib.suppress(OSError):
+            os.unlink(waddr[len("unix:"):])
     return 0

@@ -4,8 +4,10 @@ channels, addresses, deadlines, and running our own processes on uvloop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -55,33 +57,63 @@ def clamp_timeout(requested: float, default: float, limit: float) -> float:
 
 def parse_address(addr: str, what: str = "address") -> tuple[str, int]:
     """'HOST:PORT' -> (host, port), with an error a user can act on."""
+    if addr.startswith("unix:"):
+        raise ValueError(f"{what} {addr!r} must be HOST:PORT here (a Unix socket is only for the worker protocol)")
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"malformed {what} {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
     return host.strip("[]"), int(port)
 
 
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+def parse_target(addr: str, what: str = "address") -> tuple[str, int]:
+    """'HOST:PORT' -> (host, port), or 'unix:/ABS/PATH' -> ('unix', 0): where a worker reaches
+    its controller's worker listener."""
+    if addr.startswith("unix:"):
+        path = addr[len("unix:"):]
+        if not path.startswith("/") or len(path.encode()) > UNIX_PATH_MAX:
+            raise ValueError(f"malformed {what} {addr!r}: expected unix:/ABSOLUTE/PATH of at most "
+                             f"{UNIX_PATH_MAX} bytes, or HOST:PORT")
+        return "unix", 0
+    return parse_address(addr, what)
+
+
 def channel(addr: str, security=None) -> grpc.aio.Channel:
     """A channel to one of our services, with this process's credentials (common/security.py)."""
     from .security import current
 
-    parse_address(addr)
+    parse_target(addr)
     return (security or current()).channel(addr, CHANNEL_OPTIONS)
 
 
-async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Start a grpc.aio server with health and reflection; returns (server, health, port)."""
-    from .security import current
+async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[str]], *, worker_tokens=None,
+                       what: str = "listen address") -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start a grpc.aio server with health and reflection; returns (server, health, port).
+    `worker_tokens` (a list of tokens, possibly empty) makes it the worker listener: only the
+    worker role's tokens are accepted there, and a `unix:` path is allowed."""
+    from .security import LimitInterceptor, current
 
-    host, _ = parse_address(listen, "listen address")
+    host, _ = parse_target(listen, what) if worker_tokens is not None else parse_address(listen, what)
     sec = current()
-    sec.check_listen(host, f"listen address {listen}")
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=sec.interceptors())
+    if worker_tokens is not None:
+        sec = sec.for_workers(worker_tokens)
+    if host != "unix":
+        sec.check_listen(host, f"{what} {listen}")
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*sec.interceptors(), LimitInterceptor()])
     names = register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = sec.add_port(server, listen)
+    if host == "unix":
+        path = listen[len("unix:"):]
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a socket a dead controller left (a live one at this path holds our public port)
+        port = server.add_insecure_port(listen)  # the folder's permissions and the worker token guard it
+    else:
+        port = sec.add_port(server, listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import inspect
 import ipaddress
 import logging
 import os
@@ -49,6 +50,18 @@ METHOD_ROLES = {
     "/reshard.worker.v1.WorkerControl/Attach": "worker",
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # liveness and the schema: no weights
+
+_MIB = 1 << 20
+# The largest request each method takes, in serialized bytes (the servers' transport limit,
+# common/rpc.py MAX_MESSAGE_BYTES, is the largest of these: a big model's layout). A bigger one is
+# refused with RESOURCE_EXHAUSTED before it is parsed.
+METHOD_LIMITS = {
+    "/reshard.v1.TrainerService/TriggerUpdate": _MIB,  # tensor name patterns
+    "/reshard.v1.InferenceService/BeginUpdate": 256 * _MIB,  # the source layout (columns, compressed)
+    "/reshard.v1.InferenceService/FinishUpdate": 64 * _MIB,  # 4 to 8 bytes of checksum per piece
+    "/reshard.worker.v1.WorkerControl/Attach": 256 * _MIB,  # a rank's layout; a rank's checksums
+}
+DEFAULT_LIMIT = 64 << 10  # every other request: an address, a version, a tensor name
 
 
 class SecurityError(ValueError):
@@ -172,6 +185,13 @@ class Security:
     def tls(self) -> bool:
         return bool(self.cert or self.ca)
 
+    def for_workers(self, worker_tokens) -> "Security":
+        """The credentials of a controller's worker listener: its TLS, and its tokens plus those in
+        `worker_tokens` (a secret made for its own workers). Only the worker role may attach there
+        (METHOD_ROLES); other roles' tokens are known so that a refusal says which role it lacks."""
+        tokens = tuple(dict.fromkeys([*self.tokens, *(("worker", t) for t in worker_tokens)]))
+        return dataclasses.replace(self, tokens=tokens, allow_peers=())
+
     def token(self, role: str) -> str:
         """The token this process sends for a call that needs `role`: one of that role (an admin's
         for an operator's call), else any it holds, so that a refusal names the role it lacks."""
@@ -217,7 +237,7 @@ class Security:
     def channel(self, addr: str, options) -> grpc.aio.Channel:
         interceptors = [k(self) for k in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)] \
             if self.tokens else None
-        if not self.tls:
+        if not self.tls or addr.startswith("unix:"):  # a worker listener's Unix socket is plaintext: its folder is private
             return grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors)
         creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "CA") if self.ca else None,
                                              private_key=_read(self.key, "key") if self.key else None,
@@ -288,6 +308,73 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
                            f"{method} needs the {needed} role; the token holds {', '.join(sorted(held))}")
         return handler
+
+
+class _Refused:
+    """What a request that may not be parsed becomes: the handler aborts with its status."""
+
+    __slots__ = ("code", "message")
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+class LimitInterceptor(grpc.aio.ServerInterceptor):
+    """Each method's request size limit (METHOD_LIMITS), and a clear INVALID_ARGUMENT for a request
+    that does not parse (grpc's own answer is INTERNAL)."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return _limited(handler, details.method, METHOD_LIMITS.get(details.method, DEFAULT_LIMIT))
+
+
+def _limited(handler, method: str, limit: int):
+    deserialize = handler.request_deserializer
+
+    def checked(data: bytes):
+        if len(data) > limit:
+            return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{method}: a request of {len(data)} bytes is over this method's limit of {limit} bytes")
+        try:
+            return deserialize(data) if deserialize else data
+        except Exception as e:  # noqa: BLE001 - whatever the parser says, the caller sent it
+            return _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse ({e})")
+
+    async def requests(it, context):
+        async for r in it:
+            if isinstance(r, _Refused):
+                await context.abort(r.code, r.message)
+            yield r
+
+    def wrap(behavior, request_streaming: bool, response_streaming: bool):
+        async def first(request, context):
+            if request_streaming:
+                return requests(request, context)
+            if isinstance(request, _Refused):
+                await context.abort(request.code, request.message)
+            return request
+
+        if response_streaming and inspect.isasyncgenfunction(behavior):
+            async def gen(request, context):
+                async for r in behavior(await first(request, context), context):
+                    yield r
+            return gen
+
+        async def call(request, context):
+            return await behavior(await first(request, context), context)
+        return call
+
+    kw = {"request_deserializer": checked, "response_serializer": handler.response_serializer}
+    rs, ss = handler.request_streaming, handler.response_streaming
+    if rs and ss:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, rs, ss), **kw)
+    if rs:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, rs, ss), **kw)
+    if ss:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, rs, ss), **kw)
+    return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, rs, ss), **kw)
 
 
 def _refuse(handler, code: grpc.StatusCode, message: str):

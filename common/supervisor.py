@@ -125,6 +125,17 @@ def run_file(role: str, address: str) -> str:
     return os.path.join(base, f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', address)}.json")
 
 
+def recorded_worker_token(path: str) -> str:
+    """The worker token a previous controller recorded in its run file ('' if none): the workers
+    it left running hold it, and a restarted controller must accept them."""
+    try:
+        with open(path) as f:
+            token = json.load(f).get("worker_token", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return token if isinstance(token, str) else ""
+
+
 def module_command(module: str) -> list[str]:
     """`python -m module` that never imports from the working directory: a folder named like
     our package there (a checkout's root, say) must not shadow the installed package."""
@@ -160,8 +171,10 @@ class Supervisor:
 
     def __init__(self, role: str, world: int, command: Callable[[int], list[str]], *, delay: float = 0.5,
                  max_delay: float = 30.0, max_failures: int = 5, healthy_after: float = 20.0,
-                 poll: float = 0.1, run_file: str | None = None, adopt_s: float = 10.0) -> None:
+                 poll: float = 0.1, run_file: str | None = None, adopt_s: float = 10.0,
+                 env: dict[str, str] | None = None) -> None:
         self.role, self.world, self.command = role, world, command
+        self.env = dict(env or {})  # added to the workers' environment (their worker token: never on a command line)
         self.delay, self.max_delay, self.max_failures = delay, max_delay, max_failures
         self.healthy_after = healthy_after  # a worker that ran this long (or attached) had a clean start
         self.poll = poll
@@ -231,8 +244,9 @@ class Supervisor:
         try:
             os.makedirs(os.path.dirname(self.run_file), mode=0o700, exist_ok=True)
             tmp = f"{self.run_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"controller": os.getpid(), "role": self.role, "workers": workers}, f)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump({"controller": os.getpid(), "role": self.role, "workers": workers,
+                           "worker_token": self.env.get("RESHARD_TOKEN_WORKER", "")}, f)
             os.replace(tmp, self.run_file)
         except OSError as e:
             log.warning("cannot record the %s workers in %s (%s): a restarted controller will not adopt them",
@@ -271,7 +285,7 @@ class Supervisor:
         r.argv = list(self.command(rank))
         r.proc = await asyncio.create_subprocess_exec(*r.argv, stdin=asyncio.subprocess.DEVNULL,
                                                       stderr=asyncio.subprocess.PIPE,
-                                                      env={**os.environ, SUPERVISOR_PID: str(os.getpid())})
+                                                      env={**os.environ, **self.env, SUPERVISOR_PID: str(os.getpid())})
         r.started, r.state = time.monotonic(), "RUNNING"
         self.starts += 1
         r.reader = asyncio.get_running_loop().create_task(self._forward(r.proc, r.tail))

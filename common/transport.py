@@ -38,6 +38,31 @@ class Work(abc.ABC):
     def wait(self, timeout_s: float) -> None: ...
 
 
+def serve_store(host: str, timeout_s: float):
+    """The session rendezvous store (a TCPStore server), listening on `host`'s address only (torch's
+    own binds every interface). Returns (store, its listening socket: keep it alive with the store)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise OSError(f"the session store's host {host!r} does not resolve ({e}): set --store-host") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr[:2] if family == socket.AF_INET else addr)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot serve the session store on {host} ({e.strerror}): set --store-host to an address "
+                      "of this machine that the inference workers reach") from None
+    store = TCPStore(host, sock.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                     wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)
+    return store, sock
+
+
 class Transport(abc.ABC):
     name: str = "?"
     connection_bytes: int = 0  # device memory the transport's own connections hold (NCCL's buffers)
@@ -48,7 +73,8 @@ class Transport(abc.ABC):
                     on_connecting: Callable[["Transport"], None] | None = None) -> "Transport":
         """Join the data-plane session described by a `reshard.v1.Session` as `rank` of `world`.
         `on_connecting(transport)` runs before joining blocks, so that another thread can abort it."""
-        return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s, on_connecting=on_connecting)
+        return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s, on_connecting=on_connecting,
+                   key=session.key)
 
     def abort(self, reason: str) -> None:
         """From any thread: fail what is blocked now and every later call with `TransportError(reason)`."""
@@ -111,8 +137,11 @@ class GlooTransport(Transport):
     name = "gloo"
 
     def __init__(self, store_host: str, store_port: int, session: str, rank: int, world: int, timeout_s: float, *,
-                 on_connecting: Callable[[Transport], None] | None = None) -> None:
+                 on_connecting: Callable[[Transport], None] | None = None, key: str = "") -> None:
         self.rank, self.world, self.session = rank, world, session
+        # The session's keys in the store live under its secret (sent only over the authenticated
+        # control plane): a process that reaches the store without it can neither join nor disturb.
+        self._prefix, self._key = f"reshard/{key or session}", key
         self._groups: dict[tuple[int, ...], object] = {}
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._store = self._pg = None
@@ -134,8 +163,8 @@ class GlooTransport(Transport):
         if failed:
             raise TransportError(
                 f"gloo rendezvous for session {session} (rank {rank} of {world}) at {store_host}:{store_port} "
-                f"failed after {time.monotonic() - t0:.1f}s: {str(failed[0]).splitlines()[0]}"
-            ) from failed[0]
+                f"failed after {time.monotonic() - t0:.1f}s: {self._redact(str(failed[0]).splitlines()[0])}"
+            ) from None
         log.debug("gloo session %s: rank %d/%d connected in %.2fs", session, rank, world, time.monotonic() - t0)
 
     def _join(self, store_host: str, store_port: int, failed: list[RuntimeError]) -> None:
@@ -145,7 +174,7 @@ class GlooTransport(Transport):
         try:
             store = TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=self._timeout,
                              wait_for_workers=False)
-            pg = ProcessGroupGloo(PrefixStore(f"reshard/{self.session}", store), self.rank, self.world, self._timeout)
+            pg = ProcessGroupGloo(PrefixStore(self._prefix, store), self.rank, self.world, self._timeout)
             with self._lock:
                 late = bool(self.aborted)
                 if not late:
@@ -172,7 +201,11 @@ class GlooTransport(Transport):
     def _error(self, what: str, e: RuntimeError) -> TransportError:
         if self.aborted:
             return TransportError(self.aborted)
-        return TransportError(f"gloo {what} failed: {str(e).splitlines()[0]}")
+        return TransportError(f"gloo {what} failed: {self._redact(str(e).splitlines()[0])}")
+
+    def _redact(self, message: str) -> str:
+        """torch's errors name store keys: the session's secret never reaches a log."""
+        return message.replace(self._key, "<session key>") if self._key else message
 
     def _post(self, op: str, buf: torch.Tensor, peer: int, tag: int, what: str) -> Work:
         pg = self._pg
@@ -202,7 +235,7 @@ class GlooTransport(Transport):
         if pg is None:
             name = "-".join(map(str, members))
             try:
-                pg = ProcessGroupGloo(PrefixStore(f"reshard/{self.session}/group/{name}", self._store),
+                pg = ProcessGroupGloo(PrefixStore(f"{self._prefix}/group/{name}", self._store),
                                       members.index(self.rank), len(members), self._timeout)
             except RuntimeError as e:
                 raise self._error(f"rendezvous of the group {name}", e) from e

@@ -28,7 +28,7 @@ from .backend import buffers_device
 from .engine import Engine, StagingPool
 from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from .planner import Plan, PlanOptions, make_plan
-from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_address
+from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
 from .security import Security
 from .supervisor import CONTROLLER_PID_KEY
 from .transport import Transport, TransportError, transport_class
@@ -111,7 +111,7 @@ class WorkerBase:
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, model: str = "",
                  fault: dict[str, float] | None = None, allow_casts: bool = False, security: Security | None = None) -> None:
-        parse_address(controller, "controller address")
+        parse_target(controller, "controller address")  # its worker listener: HOST:PORT or unix:/PATH
         # TLS and the worker token: given, or from RESHARD_TLS_* and RESHARD_TOKEN_FILE / RESHARD_TOKEN_WORKER.
         self.security = security or Security.from_env()
         if not 0 <= rank < world:
@@ -211,8 +211,13 @@ class WorkerBase:
                     break
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.ALREADY_EXISTS:
                     self.refused = True  # another process holds this rank there (an orphan that came too late)
-                log.warning("%s worker %d: controller %s unreachable (%s); retrying", self.role, self.rank, self.controller,
-                            e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("%s worker %d: %s serves no worker protocol: point the worker at the controller's worker "
+                                "listener (--worker-listen; printed when it starts and in `reshard status`); retrying",
+                                self.role, self.rank, self.controller)
+                else:
+                    log.warning("%s worker %d: controller %s unreachable (%s); retrying", self.role, self.rank,
+                                self.controller, e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
             self._connected.clear()
             if self._stopping:
                 break

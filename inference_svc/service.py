@@ -27,7 +27,9 @@ from reshard.proto import worker_pb2 as wpb
 
 log = logging.getLogger("reshard.inference_svc")
 
-DUMP_CHUNK = 1 << 20
+DUMP_CHUNK = 1 << 20  # bytes of one DumpChunk
+DUMP_REGION_BYTES = 4 << 20  # a dump reads, assembles and streams the tensor this many bytes at a time
+MAX_CONCURRENT_DUMPS = 2  # dumps streaming at once from one controller; one more is refused (RESOURCE_EXHAUSTED)
 TERMINAL = ("DONE", "ABORT")
 FINISHING = ("VERIFY", "COMMIT")  # FinishUpdate owns the update: nothing else may abort it
 
@@ -252,10 +254,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"{backwards}; moving to another run or back in steps is an operator's choice "
                                     "(reshard trainer --allow-rollback)")
-            if req.epoch > self.epoch:
-                if self.epoch:
-                    log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
-                self.epoch = req.epoch
             # A caller's deadline is clamped by ours: a timeout_s of 1e9 must not pin the data plane.
             req.timeout_s = clamp_timeout(req.timeout_s, self.deadlines.update_s, self.deadlines.update_s)
             u = _Update(req, self.hub.world)
@@ -275,6 +273,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.tensors = len(req.tensors) if req.tensors else len(dst.tensors)
                 if plan.digest != req.plan_digest:
                     raise LayoutError(f"plan digest mismatch: trainer {req.plan_digest}, inference {plan.digest}")
+                if req.epoch > self.epoch:  # taken once the request holds up: a malformed one fences nobody out
+                    if self.epoch:
+                        log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
+                    self.epoch = req.epoch
                 u.plan = plan
                 u.bytes_total = plan.total_bytes
                 u.phase = "CONNECT"
@@ -424,7 +426,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     async def GetStatus(self, request, context):
         st = pb.Status(role="inference", model=self.model, serving_state=self.serving_state(), last_error=self.last_error,
-                       needs_repair=self.needs_repair())
+                       needs_repair=self.needs_repair(), worker_address=self.hub.worker_address)
         v = self.served_version()
         if v is not None:
             st.version.CopyFrom(v)
@@ -455,64 +457,258 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         st.history.extend(self.history[-20:])
         return st
 
+    _dumps = 0  # dumps streaming now: at most MAX_CONCURRENT_DUMPS
+
     async def Dump(self, req: pb.DumpRequest, context):
+        """Stream one canonical tensor, read back from the workers a region (DUMP_REGION_BYTES) at a time:
+        the controller holds one region, never the tensor, and the workers copy without pausing the engine."""
         if not req.tensor:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DumpRequest.tensor is required")
+        if self._dumps >= MAX_CONCURRENT_DUMPS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{MAX_CONCURRENT_DUMPS} dumps in progress; retry when one ends")
+        self._dumps += 1
+        chunks = self._dump(req, context)
         try:
-            layout, _, _ = await self.hub.layout()
+            async for chunk in chunks:
+                yield chunk
+        finally:  # also when the client goes away (the handler is cancelled)
+            self._dumps -= 1
+            await chunks.aclose()
+
+    async def _dump(self, req: pb.DumpRequest, context):
+        import torch
+
+        try:
+            for _ in range(3):  # the layout and the workers it was built from (membership may change between)
+                layout, _, _ = await self.hub.layout()
+                conns = self.hub.alive()
+                if len(conns) == layout.world:
+                    break
         except LayoutError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         spec = layout.tensors.get(req.tensor)
         if spec is None:
             close = sorted(n for n in layout.tensors if req.tensor.split(".")[-2:] == n.split(".")[-2:])[:3]
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tensor {req.tensor!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
-        import torch
-
+        if req.HasField("rank") and not any(w.rank == req.rank for w in conns):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"inference worker rank {req.rank} is not attached")
+        who = f"worker rank {req.rank}" if req.HasField("rank") else "any live worker"
         dt = dtype_of(spec.dtype)
-        full = torch.empty(spec.shape, dtype=dt)
-        covered = torch.zeros(spec.shape, dtype=torch.bool)
-        version = None
-        sources = self.hub.alive()
-        if req.HasField("rank"):
-            sources = [w for w in sources if w.rank == req.rank]
-            if not sources:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"inference worker rank {req.rank} is not attached")
-        errors = []
-        for w in sources:
-            try:
-                pieces = await self.hub.read(w, req.tensor, self.deadlines.rpc_s)
-            except WorkerError as e:
-                log.warning("dump: %s", e)
-                errors.append(str(e))
+        total = spec.nbytes
+        holders, plans, missing = await asyncio.get_running_loop().run_in_executor(
+            None, _dump_plans, layout, conns, req.tensor, req.rank if req.HasField("rank") else None)
+        if missing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor {req.tensor!r}: {missing} elements are not held by {who}")
+        if not plans:  # no elements (a tensor with an empty dimension): its shape and nothing else
+            yield pb.DumpChunk(name=req.tensor, shape=list(spec.shape), dtype=spec.dtype, offset=0, total_bytes=0)
+            return
+        start = _v(self.committed)
+        # One region's bytes and coverage at a time, in buffers kept for the next dumps (one per dump
+        # streaming at once): a dump allocates nothing the size of its tensor.
+        pool = self.__dict__.setdefault("_dump_buffers", [])
+        bufs = pool.pop() if pool else (torch.empty(DUMP_REGION_BYTES, dtype=torch.uint8),
+                                        torch.empty(DUMP_REGION_BYTES, dtype=torch.bool))
+        try:
+            raw, cov = bufs
+            buf = raw.view(dt)  # the region row-major in the tensor's dtype
+            version: pb.Version | None = None
+            offset = 0
+            for region, chosen in plans:
+                try:
+                    got = await self._dump_region(req.tensor, region, holders, chosen, buf, cov, who)
+                except _DumpFailed as e:
+                    await context.abort(e.code, str(e))
+                for v in got:
+                    if version is None:
+                        version = v
+                    elif _v(v) != _v(version):
+                        code, why = self._dump_versions(version, v, start)
+                        await context.abort(code, why)
+                nbytes = region.numel * dt.itemsize
+                for off in range(0, nbytes, DUMP_CHUNK):
+                    chunk = pb.DumpChunk(name=req.tensor, shape=list(spec.shape), dtype=spec.dtype, offset=offset + off,
+                                         data=raw[off : min(nbytes, off + DUMP_CHUNK)].numpy().tobytes(), total_bytes=total)
+                    if version is not None:
+                        chunk.version.CopyFrom(version)
+                    yield chunk
+                offset += nbytes
+        finally:
+            pool.append(bufs)
+
+    def _dump_versions(self, have: pb.Version, other: pb.Version, start: str) -> tuple[grpc.StatusCode, str]:
+        """Two versions in one dump: a commit while it streamed (ABORTED: run it again), or a
+        deployment whose workers hold different versions (FAILED_PRECONDITION)."""
+        u = self.update
+        if _v(self.committed) != start or (u is not None and u.phase == "COMMIT"):
+            # The newer: the update's (its ranks commit one by one), else the one committed since.
+            target = _v(u.version) if u is not None and u.phase in ("COMMIT", "DONE") else _v(self.committed)
+            newer, older = (have, other) if _v(have) == target else (other, have)
+            return (grpc.StatusCode.ABORTED,
+                    f"version {_v(newer)} was committed while the dump of version {_v(older)} streamed; run it again")
+        return (grpc.StatusCode.FAILED_PRECONDITION,
+                f"workers hold different versions ({_v(have)} and {_v(other)}); the deployment is degraded")
+
+    async def _dump_region(self, tensor: str, region, holders: list, chosen: list[int], buf, cov,
+                           who: str) -> list[pb.Version]:
+        """Read `region` into buf[:region.numel] (row-major): first from the holders its plan chose (one per
+        part, at once), then, for what a failed worker left, from the others that hold it. Returns the
+        versions the pieces came with."""
+        reg = buf[:region.numel].view(region.size)
+        cv = cov[:region.numel].view(region.size)
+        cv.zero_()
+        asked: set[int] = set()
+        errors: list[str] = []
+        versions: dict[str, pb.Version] = {}
+
+        async def ask(k: int) -> list[wpb.ReadPiece]:
+            asked.add(k)
+            conn = holders[k][0]
+            return await self.hub.read(conn, tensor, self.deadlines.rpc_s, region.offset, region.size)
+
+        def take(results) -> None:
+            for r in results:
+                if isinstance(r, WorkerError):
+                    log.warning("dump: %s", r)
+                    errors.append(str(r))
+                elif isinstance(r, BaseException):
+                    raise r
+                else:
+                    for v in _place(r, region, reg, cv, buf.dtype):
+                        versions.setdefault(_v(v), v)
+
+        take(await asyncio.gather(*(ask(k) for k in chosen), return_exceptions=True))
+        while not bool(cv.all()):
+            more = [k for k, (_, boxes) in enumerate(holders) if k not in asked and any(
+                not bool(cv[_within(i, region)].all()) for b in boxes if (i := b.intersect(region)) is not None)]
+            if not more:
+                missing = region.numel - int(cv.count_nonzero())
+                raise _DumpFailed(grpc.StatusCode.UNAVAILABLE, f"tensor {tensor!r}: {missing} elements are not held by {who}"
+                                  + (f" ({'; '.join(errors)})" if errors else ""))
+            take(await asyncio.gather(ask(more[0]), return_exceptions=True))
+        return list(versions.values())
+
+
+class _DumpFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _dump_regions(shape: tuple[int, ...], itemsize: int, limit: int = DUMP_REGION_BYTES):
+    """A tensor in row-major order as boxes of at most `limit` bytes, each contiguous in its row-major
+    bytes: d is the outermost dim whose trailing block (dims after it) fits; every index prefix of the
+    dims before d (each of length 1), then ranges of n = limit // block entries along d."""
+    import itertools
+    import math
+
+    from reshard.common.layout import Box
+
+    if math.prod(shape) == 0:
+        return
+    if not shape or math.prod(shape) * itemsize <= limit:  # a 0-d tensor: one region
+        yield Box.full(shape)
+        return
+    d = next((d for d in range(len(shape)) if math.prod(shape[d + 1:]) * itemsize <= limit), len(shape) - 1)
+    n = max(1, limit // (math.prod(shape[d + 1:]) * itemsize))
+    for prefix in itertools.product(*(range(s) for s in shape[:d])):
+        for at in range(0, shape[d], n):
+            yield Box((*prefix, at, *(0 for _ in shape[d + 1:])), (*(1 for _ in prefix), min(n, shape[d] - at), *shape[d + 1:]))
+
+
+def _within(inner, outer) -> tuple[slice, ...]:
+    """The slices of box `inner` inside box `outer` (which contains it)."""
+    return tuple(slice(o - oo, o - oo + s) for o, oo, s in zip(inner.offset, outer.offset, inner.size))
+
+
+def _contains(outer, inner) -> bool:
+    return all(o <= i and i + n <= o + m for o, m, i, n in zip(outer.offset, outer.size, inner.offset, inner.size))
+
+
+def _dump_plans(layout: Layout, conns: list[WorkerConn], tensor: str, rank: int | None):
+    """Off the loop: who holds what of `tensor` ([(conn, boxes)] by rank), the dump's regions each with
+    the holders to ask (one per part: a replica of what is chosen adds nothing), and how many elements
+    no holder has."""
+    import torch
+
+    from reshard.common.layout import Box
+
+    spec = layout.tensors[tensor]
+    if len(conns) == layout.world:
+        by_class: dict[int, list] = {}
+        holders = []
+        for conn, bufs in zip(conns, layout.ranks):
+            boxes = by_class.get(id(bufs))
+            if boxes is None:
+                boxes = by_class[id(bufs)] = list(dict.fromkeys(p.box for b in bufs for p in b.pieces if p.tensor == tensor))
+            if boxes and (rank is None or conn.rank == rank):
+                holders.append((conn, boxes))
+    else:  # membership kept changing: ask the live workers in turn, as they come
+        holders = [(c, [Box.full(spec.shape)]) for c in conns if rank is None or c.rank == rank]
+    plans, missing = [], 0
+    for region in _dump_regions(spec.shape, spec.nbytes // spec.numel):
+        hits = [(k, [i for b in boxes if (i := b.intersect(region)) is not None]) for k, (_, boxes) in enumerate(holders)]
+        whole = next((k for k, inters in hits if any(i == region for i in inters)), None)
+        if whole is not None:  # the common case: one holder has all of it
+            plans.append((region, [whole]))
+            continue
+        chosen, have = [], []  # the holders to ask, and their intersections with the region
+        for k, inters in hits:
+            if inters and not all(any(_contains(h, i) for h, _ in have) for i in inters):
+                chosen.append(k)
+                have += [(i, k) for i in inters]
+        if all(a.intersect(b) is None for n, (a, ka) in enumerate(have) for b, kb in have[n + 1:] if ka != kb):
+            covered = sum(i.numel for i, _ in have)  # a rank's boxes are disjoint; so are these
+        else:  # holders whose parts overlap without one containing the other
+            mask = torch.zeros(region.size, dtype=torch.bool)
+            for i, _ in have:
+                mask[_within(i, region)] = True
+            covered = int(mask.count_nonzero())  # (a sum would widen the mask to int64)
+        missing += region.numel - covered
+        plans.append((region, chosen))
+    return holders, plans, missing
+
+
+def _place(pieces: list[wpb.ReadPiece], region, reg, cv, dtype) -> list[pb.Version]:
+    """Copy a worker's pieces into the region's buffer `reg` and mark them in `cv`, each chunk where
+    it lands (a piece is a box, its data a range of the box's row-major bytes); returns their versions."""
+    import math
+    import warnings
+
+    import torch
+
+    from reshard.common.layout import Box, flat_range_to_boxes
+
+    size_of = torch.empty((), dtype=dtype).element_size()
+    versions = []
+    for p in pieces:
+        if p.HasField("version"):
+            versions.append(p.version)
+        data = p.data
+        box = Box(tuple(p.offset), tuple(p.size))
+        if box.ndim != region.ndim or not data or p.byte_offset % size_of or len(data) % size_of:
+            continue
+        with warnings.catch_warnings():  # read only: the bytes are never written through it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+        first = p.byte_offset // size_of
+        pos = 0
+        for sub in flat_range_to_boxes(first, min(first + len(src), math.prod(box.size)), box.size):
+            part = src[pos : pos + sub.numel].view(sub.size)
+            pos += sub.numel
+            sub = sub.shift(box.offset)
+            inter = sub.intersect(region)
+            if inter is None or inter.numel == 0:
                 continue
-            boxes: dict[tuple, bytearray] = {}
-            for p in pieces:
-                boxes.setdefault((tuple(p.offset), tuple(p.size)), bytearray()).extend(p.data)
-                if p.HasField("version"):
-                    if version is not None and _v(version) != _v(p.version):
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                            f"workers hold different versions ({_v(version)} and {_v(p.version)}); the deployment is degraded")
-                    version = p.version
-            for (off, size), data in boxes.items():
-                sl = tuple(slice(o, o + s) for o, s in zip(off, size))
-                full[sl] = torch.frombuffer(bytes(data), dtype=dt).view(size)
-                covered[sl] = True
-        if not bool(covered.all()):
-            missing = int((~covered).sum())
-            who = f"worker rank {req.rank}" if req.HasField("rank") else "any live worker"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tensor {req.tensor!r}: {missing} elements are not held by {who}"
-                                + (f" ({'; '.join(errors)})" if errors else ""))
-        data = full.view(-1).view(torch.uint8).numpy().tobytes()
-        for off in range(0, len(data), DUMP_CHUNK):
-            chunk = pb.DumpChunk(name=req.tensor, shape=list(spec.shape), dtype=spec.dtype, offset=off,
-                                 data=data[off : off + DUMP_CHUNK], total_bytes=len(data))
-            if version is not None:
-                chunk.version.CopyFrom(version)
-            yield chunk
+            dst = _within(inter, region)
+            reg[dst] = part[_within(inter, sub)]
+            cv[dst] = True
+    return versions
 
 
 async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: str = "shadow", layout: str = "",
-                deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu") -> int:
+                deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu",
+                worker_listen: str = "") -> int:
     deadlines = deadlines or Deadlines()
     hub = WorkerHub(workers, "inference")
     ctl = InferenceController(hub, model, deadlines)
@@ -531,11 +727,13 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     return await serve_controller(
         listen, hub, lambda server: rgrpc.add_InferenceServiceServicer_to_server(ctl, server),
         pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, stop,
-        lambda addr: f"inference_svc listening on {addr} (model {model}, {workers} workers, {mode} mode)",
-        command if spawn_workers else None, (watchdog(),), worker_timeout=deadlines.worker_s)
+        lambda addr, waddr: f"inference_svc listening on {addr} (model {model}, {workers} workers, {mode} mode)",
+        command if spawn_workers else None, (watchdog(),), worker_timeout=deadlines.worker_s,
+        worker_listen=worker_listen)
 
 
 def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True,
-         layout: str = "", device: str = "cpu") -> int:
+         layout: str = "", device: str = "cpu", worker_listen: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, seed=seed, mode=mode, deadlines=deadlines, stop=stop,
-                                       spawn_workers=spawn_workers, layout=layout, device=device))
+                                       spawn_workers=spawn_workers, layout=layout, device=device,
+                                       worker_listen=worker_listen))

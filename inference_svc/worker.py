@@ -20,7 +20,7 @@ import torch
 
 from reshard.common import faults
 from reshard.common.checksum import box_checksum
-from reshard.common.layout import LocalBuffer, TensorSpec
+from reshard.common.layout import Box, LocalBuffer, TensorSpec, dtype_of
 from reshard.common.security import Security
 from reshard.common.verify import check_rank
 from reshard.common.worker import WorkerBase
@@ -29,14 +29,17 @@ from reshard.proto import worker_pb2 as wpb
 
 log = logging.getLogger("reshard.inference")
 
-READ_CHUNK = 1 << 20
-READ_LOCK_TIMEOUT = 5.0
+READ_CHUNK = 1 << 20  # bytes of one ReadPiece message: an intersection larger than this comes in several
+READ_LOCK_TIMEOUT = 5.0  # a read back waits at most this long for a commit's copy to end
+READ_RETRIES = 4  # copies of a region a read back makes while commits overlap it
+READ_WAIT_S = 0.002  # between looks at a commit in progress
 
 
 class InferenceWorker(WorkerBase):
     role = "inference"
     side = "dst"
     box_checksum = staticmethod(box_checksum)  # what VERIFY computes per piece (common.checksum)
+    _commit_gen = 0  # the commit generation: odd while `_commit` changes the live weights (see `_read`)
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, mode: str = "shadow",
@@ -49,8 +52,9 @@ class InferenceWorker(WorkerBase):
         self.mode = mode
         self.pause_hook, self.resume_hook, self.commit_hooks = pause, resume, tuple(commit_hooks)
         self.version = version
-        # Allocated once, reused by every update.
-        self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if mode == "shadow" else None
+        # Allocated once, as a copy of the live weights: a partial update (and padding, which no
+        # update writes) commits what the shadow holds for what it does not carry.
+        self.shadow = {n: t.clone() for n, t in self.live.items()} if mode == "shadow" else None
         self._serving = threading.Lock()
         self._committed = threading.Condition()
         self.serving_ok = True  # False after an in-place update failed midway: the weights are torn
@@ -168,6 +172,9 @@ class InferenceWorker(WorkerBase):
         if self.mode == "shadow":
             self._pause()
         try:
+            # Odd while the live weights and the version change: a read back (`_read`) waits for it
+            # to be even, and copies again if it changed meanwhile (a seqlock).
+            self._commit_gen += 1
             if self.fault.get("commit_seconds"):  # test hook: a commit that takes a while
                 time.sleep(self.fault["commit_seconds"])
             if self.shadow is not None:
@@ -184,6 +191,8 @@ class InferenceWorker(WorkerBase):
                 self._verifying = ""
                 self._committed.notify_all()
         finally:
+            if self._commit_gen & 1:
+                self._commit_gen += 1  # even again: the version is set (or the commit failed)
             self.updating = False
             self._resume()
         log.info("inference worker %d: committed %s:%d", self.rank, version.run, version.step)
@@ -191,32 +200,78 @@ class InferenceWorker(WorkerBase):
     async def _on_read(self, r: wpb.Read, cid: int) -> dict:
         if r.tensor not in self.tensors:
             return {}
-        # Off the loop: the serving lock may be held (an engine step, a commit, an in-place transfer),
-        # and the loop must keep answering meanwhile.
+        # Off the loop (the copy of a region takes a while, and may wait for a commit's copy to
+        # end): the loop must keep answering meanwhile. The engine is never paused for it.
         await asyncio.get_running_loop().run_in_executor(None, self._read, r, cid)
         return {}
 
-    def _read(self, r: wpb.Read, cid: int) -> None:
+    def _read_region(self, r: wpb.Read) -> Box:
+        """The region a Read asks for, in canonical coordinates (no offset and size: the whole tensor)."""
+        shape = self.tensors[r.tensor].shape
+        if not r.offset and not r.size:
+            return Box.full(shape)
+        region = Box(tuple(r.offset), tuple(r.size))  # LayoutError on a negative offset or size, or ranks that differ
+        if not region.within(shape):
+            raise ValueError(f"read region {region} of {r.tensor!r} lies outside its shape {list(shape)}")
+        return region
+
+    def _read_views(self, tensor: str, region: Box) -> list[tuple[Box, torch.Tensor]]:
+        """(intersection, view of the live weights) for each box of `tensor` this rank holds that
+        meets `region`; a tied tensor held by two buffers counts each box once."""
+        out, seen = [], set()
+        for name, desc in self.descs.items():
+            for p in desc.pieces:
+                if p.tensor != tensor or p.box in seen:
+                    continue
+                seen.add(p.box)
+                inter = p.box.intersect(region)
+                if inter is None or inter.numel == 0:
+                    continue
+                rel = tuple(slice(o - po, o - po + n) for o, po, n in zip(inter.offset, p.box.offset, inter.size))
+                out.append((inter, p.view(self.live[name])[rel]))
+        return out
+
+    def _refuse_inplace(self) -> None:
         if self.updating and self.mode == "inplace":
             raise RuntimeError(f"inference rank {self.rank} is receiving an update in place: its weights are being "
                                "overwritten and cannot be read back until the update ends")
-        if not self._serving.acquire(timeout=READ_LOCK_TIMEOUT):
-            raise RuntimeError(f"inference rank {self.rank}: the engine held its weights for {READ_LOCK_TIMEOUT:.0f}s; "
-                               "read back later")
-        try:
-            version = self.version
-            seen = set()  # a tied tensor is held by two buffers: send each box once
-            for name, desc in self.descs.items():
-                for p in desc.pieces:
-                    if p.tensor != r.tensor or p.box in seen:
-                        continue
-                    seen.add(p.box)
-                    data = p.view(self.live[name]).contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
-                    for off in range(0, max(1, len(data)), READ_CHUNK):
-                        piece = wpb.ReadPiece(id=cid, offset=list(p.box.offset), size=list(p.box.size), byte_offset=off,
-                                              data=data[off : off + READ_CHUNK], last=off + READ_CHUNK >= len(data))
-                        if version is not None:
-                            piece.version.CopyFrom(version)
-                        self.emit(wpb.WorkerMessage(piece=piece))
-        finally:
-            self._serving.release()
+
+    def _read(self, r: wpb.Read, cid: int) -> None:
+        """Copy the region's intersections with this rank's boxes, then send them. No lock: a seqlock on
+        the commit generation (odd while `_commit` copies shadow -> live and sets the version). A copy
+        that overlapped a commit is made again, so a region is never torn and its version is the one
+        it was copied under."""
+        self._refuse_inplace()
+        region = self._read_region(r)
+        views = self._read_views(r.tensor, region)
+        dtype = dtype_of(self.tensors[r.tensor].dtype)  # a buffer that holds it cast sends the canonical dtype
+        deadline = time.monotonic() + READ_LOCK_TIMEOUT
+        for _ in range(READ_RETRIES):
+            gen = self._commit_gen
+            while gen & 1:  # a commit is copying into the live weights: wait for it to end
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"inference rank {self.rank}: a commit held its weights for "
+                                       f"{READ_LOCK_TIMEOUT:.0f}s; read back later")
+                time.sleep(READ_WAIT_S)
+                gen = self._commit_gen
+            self._refuse_inplace()
+            version, ok = self.version, self.serving_ok
+            copies = [(inter, v.to(device="cpu", dtype=dtype, memory_format=torch.contiguous_format, copy=True))
+                      for inter, v in views]
+            # An in-place transfer that began meanwhile writes into the weights just copied (one
+            # that failed meanwhile left them torn: copied again, as they now stay).
+            self._refuse_inplace()
+            if self._commit_gen == gen and self.serving_ok == ok:
+                break
+        else:
+            raise RuntimeError(f"inference rank {self.rank}: {READ_RETRIES} commits overlapped the read back of "
+                               f"{r.tensor!r}; read back later")
+        for i, (inter, t) in enumerate(copies):
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            for off in range(0, len(raw), READ_CHUNK):  # messages of READ_CHUNK bytes at most
+                piece = wpb.ReadPiece(id=cid, offset=list(inter.offset), size=list(inter.size), byte_offset=off,
+                                      data=raw[off : off + READ_CHUNK].tobytes(),
+                                      last=i == len(copies) - 1 and off + READ_CHUNK >= len(raw))
+                if version is not None:
+                    piece.version.CopyFrom(version)
+                self.emit(wpb.WorkerMessage(piece=piece))

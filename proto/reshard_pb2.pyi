@@ -118,7 +118,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint", "deployments", "needs_repair")
+    __slots__ = ("role", "model", "version", "has_version", "serving_state", "update_in_progress", "progress", "last_error", "workers", "requests_served", "requests_during_updates", "history", "committed", "has_committed", "layout_fingerprint", "deployments", "needs_repair", "worker_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Status(_message.Message):
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_REPAIR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     version: Version
@@ -153,7 +154,8 @@ class Status(_message.Message):
     layout_fingerprint: str
     deployments: _containers.RepeatedCompositeFieldContainer[DeploymentStatus]
     needs_repair: bool
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ..., needs_repair: _Optional[bool] = ...) -> None: ...
+    worker_address: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., serving_state: _Optional[str] = ..., update_in_progress: _Optional[bool] = ..., progress: _Optional[_Union[UpdateProgress, _Mapping]] = ..., last_error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerHealth, _Mapping]]] = ..., requests_served: _Optional[int] = ..., requests_during_updates: _Optional[int] = ..., history: _Optional[_Iterable[_Union[UpdateRecord, _Mapping]]] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., has_committed: _Optional[bool] = ..., layout_fingerprint: _Optional[str] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ..., needs_repair: _Optional[bool] = ..., worker_address: _Optional[str] = ...) -> None: ...
 
 class DeploymentStatus(_message.Message):
     __slots__ = ("address", "committed", "has_committed", "last_error", "phase", "backend")
@@ -246,7 +248,7 @@ class LayoutReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id")
+    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id", "key")
     ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +256,7 @@ class Session(_message.Message):
     DST_WORLD_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     id: str
     store_host: str
     store_port: int
@@ -261,7 +264,8 @@ class Session(_message.Message):
     dst_world: int
     transport: str
     nccl_unique_id: bytes
-    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
+    key: str
+    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ..., key: _Optional[str] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
     __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "epoch", "allow_rollback", "src_fingerprint")

@@ -82,10 +82,14 @@ class Abort(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Read(_message.Message):
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "offset", "size")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     tensor: str
-    def __init__(self, tensor: _Optional[str] = ...) -> None: ...
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("version",)

@@ -8,8 +8,8 @@ coalesce to the newest; versions never go backwards within a run."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
+import secrets
 import time
 import uuid
 
@@ -22,6 +22,7 @@ from reshard.common.layout import Layout, LayoutError
 from reshard.common.planner import PlanOptions, make_plan, select_tensors
 from reshard.common.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
 from reshard.common.supervisor import module_command
+from reshard.common.transport import serve_store
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -44,7 +45,7 @@ class Deployment:
         self.address = address
         self.chan = channel(address)
         self.stub = rgrpc.InferenceServiceStub(self.chan)
-        self.session: tuple[str, tuple, bytes] | None = None  # (id, what it was opened for, ncclUniqueId)
+        self.session: tuple[str, tuple, bytes, str] | None = None  # (id, what it was opened for, ncclUniqueId, secret)
         self.backend = ""
         self.plans: dict[tuple, object] = {}  # a few recent plans, by (layouts, bucket, tensors)
         self.dst: tuple[str, Layout, bytes] | None = None  # its layout: (fingerprint, layout, bytes)
@@ -65,8 +66,6 @@ class Deployment:
 class TrainerController(rgrpc.TrainerServiceServicer):
     def __init__(self, hub: WorkerHub, model: str, inference: list[str], run: str, store_host: str, deadlines: Deadlines,
                  bucket_bytes: int = 0, backend: str = "auto", allow_rollback: bool = False) -> None:
-        from torch.distributed import TCPStore
-
         self.hub, self.model, self.run = hub, model, run
         # A lease on the deployments: a newer controller (a restart, a second one) fences this one out.
         self.epoch = time.time_ns()
@@ -77,7 +76,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
         self.backend = backend  # auto | gloo | nccl
         # The session rendezvous store; lives as long as the controller.
-        self.store = TCPStore(store_host, 0, None, True, timeout=datetime.timedelta(seconds=deadlines.update_s), wait_for_workers=False)
+        self.store, self._store_socket = serve_store(store_host, deadlines.update_s)
+        log.info("session store on %s:%d", store_host, self.store.port)
         self.store_host = store_host
         hub.on_event = self._on_event
         hub.default_run = run
@@ -225,7 +225,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         return pb.AttachReply(deployments=list(self.deployments))
 
     async def GetStatus(self, request, context):
-        st = pb.Status(role="trainer", model=self.model, last_error=self.last_error)
+        st = pb.Status(role="trainer", model=self.model, last_error=self.last_error, worker_address=self.hub.worker_address)
         st.deployments.extend(d.status() for d in self.deployments.values())
         if self.published is not None:
             st.version.CopyFrom(self.published)
@@ -503,16 +503,18 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             faults.at_phase("trainer", "CONNECT", workers=self.hub)
             # Inference membership too: a worker restarted there must not be handed a session its
             # peers cached with the dead process.
-            key = (dst_fp, self._membership, src_fp, self.hub.generation, backend)
-            if d.session is None or d.session[1] != key:
+            key_of = (dst_fp, self._membership, src_fp, self.hub.generation, backend)
+            if d.session is None or d.session[1] != key_of:
                 sid, nccl_id = uuid.uuid4().hex[:12], b""
+                key = secrets.token_hex(16)  # the session's keys in the store live under it: never logged
                 if backend == "nccl":  # a fresh id per session (so per retry): trainer worker 0 hosts its root
                     rep = await self.hub.call(self.hub.workers[0], self.deadlines.rpc_s, nccl_unique_id=wpb.NcclUniqueId(session=sid))
                     nccl_id = rep.nccl_unique_id
-                d.session = (sid, key, nccl_id)
+                d.session = (sid, key_of, nccl_id, key)
             d.backend = backend
             session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
-                                 src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2])
+                                 src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2],
+                                 key=d.session[3])
             left = deadline - time.monotonic()
             begin = pb.BeginUpdateRequest(
                 update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=left, mode=mode,
@@ -600,7 +602,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-                master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False) -> int:
+                master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False,
+                worker_listen: str = "") -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
@@ -618,16 +621,18 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
     return await serve_controller(
         listen, hub, lambda server: rgrpc.add_TrainerServiceServicer_to_server(ctl, server),
         pb.DESCRIPTOR.services_by_name["TrainerService"].full_name, stop,
-        lambda addr: f"trainer_svc listening on {addr} (run {run}, model {model}, {workers} workers, "
+        lambda addr, waddr: f"trainer_svc listening on {addr} (run {run}, model {model}, {workers} workers on {waddr}, "
                      f"inference {', '.join(inference) or 'none'})",
-        command if spawn_workers else None, (ctl.runner(), ctl.watch()), worker_timeout=deadlines.worker_s)
+        command if spawn_workers else None, (ctl.runner(), ctl.watch()), worker_timeout=deadlines.worker_s,
+        worker_listen=worker_listen)
 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "",
-         master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False) -> int:
+         master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False,
+         worker_listen: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
                                        spawn_workers=spawn_workers, store_host=store_host, layout=layout,
                                        master_dtype=master_dtype, backend=backend, device=device,
-                                       allow_rollback=allow_rollback))
+                                       allow_rollback=allow_rollback, worker_listen=worker_listen))

@@ -43,22 +43,25 @@ def test_deepseek_v3_128_to_128_two_updates_under_16_mib_per_message():
         return subprocess.Popen(args, env=env, stderr=open(f"{logdir}/{name}.log", "w"), start_new_session=True, **kw)
 
     cli = [sys.executable, "-m", "reshard.cli"]
+    inf_w, tr_w = f"unix:{logdir}/inference-workers.sock", f"unix:{logdir}/trainer-workers.sock"
     procs = [spawn([*cli, "inference", "--listen", inf, "--workers", "128", "--model", MODEL, "--external-workers",
+                    "--worker-listen", inf_w,
                     "--update-timeout", "600", "--worker-timeout", "60"], "inference"),
              spawn([*cli, "trainer", "--listen", tr, "--workers", "128", "--model", MODEL, "--external-workers",
+                    "--worker-listen", tr_w,
                     "--inference", inf, "--run", "dry", "--update-timeout", "600", "--worker-timeout", "60"], "trainer")]
     dry = [sys.executable, "-m", "tests.integration.dry_workers", "--model", MODEL]
     hosts = []
     t_start = time.monotonic()
     try:
         for lo in (0, 64):
-            procs.append(spawn([*dry, "--role", "inference", "--controller", inf, "--ranks", f"{lo}-{lo + 63}", "--layout", DST],
+            procs.append(spawn([*dry, "--role", "inference", "--controller", inf_w, "--ranks", f"{lo}-{lo + 63}", "--layout", DST],
                                f"inference-{lo}", cwd=root))
         c = Cluster.__new__(Cluster)
         c.inf, c.tr, c.logdir = inf, tr, logdir
         c.wait_for(lambda st: st["serving_state"] == "SERVING", timeout=300, what="128 inference workers attached")
         for lo in (0, 64):
-            p = spawn([*dry, "--role", "trainer", "--controller", tr, "--ranks", f"{lo}-{lo + 63}", "--layout", SRC, "--steps", "2"],
+            p = spawn([*dry, "--role", "trainer", "--controller", tr_w, "--ranks", f"{lo}-{lo + 63}", "--layout", SRC, "--steps", "2"],
                       f"trainer-{lo}", cwd=root, stdout=subprocess.PIPE, text=True)
             procs.append(p)
             hosts.append(p)

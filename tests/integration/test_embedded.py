@@ -34,11 +34,13 @@ def fill(layout, rank, tensors, full):
 def test_embedded_workers_publish_and_commit(snapshot):
     cfg = model_config("tiny")
     inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    inf_w, tr_w = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"  # the worker listeners
     procs = [
         subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
-                          "--model", "my-tiny", "--external-workers"], stderr=subprocess.DEVNULL, start_new_session=True),
+                          "--model", "my-tiny", "--external-workers", "--worker-listen", inf_w], stderr=subprocess.DEVNULL, start_new_session=True),
         subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", tr, "--workers", "2",
-                          "--model", "my-tiny", "--inference", inf, "--external-workers", "--run", "emb"],
+                          "--model", "my-tiny", "--inference", inf, "--external-workers", "--run", "emb",
+                          "--worker-listen", tr_w],
                          stderr=subprocess.DEVNULL, start_new_session=True),
     ]
     src, dst = megatron_layout(cfg, 2), vllm_layout(cfg, 2)
@@ -47,14 +49,14 @@ def test_embedded_workers_publish_and_commit(snapshot):
     try:
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
-            inferences.append(InferenceWorker(inf, r, 2, dst.tensors, bufs, pause=lambda r=r: events.append(("pause", r)),
+            inferences.append(InferenceWorker(inf_w, r, 2, dst.tensors, bufs, pause=lambda r=r: events.append(("pause", r)),
                                               resume=lambda r=r: events.append(("resume", r)),
                                               commit_hooks=(lambda v, r=r: events.append(("commit", r, v.step)),)).start())
         full = canonical(cfg, 1)
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
             fill(src, r, {n: t for n, (_, t) in bufs.items()}, full)
-            trainers.append(TrainerWorker(tr, r, 2, src.tensors, bufs, run="emb", snapshot=snapshot).start())
+            trainers.append(TrainerWorker(tr_w, r, 2, src.tensors, bufs, run="emb", snapshot=snapshot).start())
         for w in trainers + inferences:
             assert w.wait_connected(60)
         for step in (1, 2):

@@ -1,10 +1,13 @@
 """TLS, bearer tokens by role, and the listen rule, on real services in real processes
 (common/security.py)."""
 
+import collections
 import json
 import os
+import re
 import subprocess
 import time
+import types
 
 import grpc
 import pytest
@@ -62,105 +65,436 @@ def _wait_serving(addr, pki, token, log_path, timeout=60):
         time.sleep(0.2)
 
 
-def test_tls_and_tokens_end_to_end(pki, tmp_path):
-    """Both services with TLS and tokens: an update commits (peer and worker tokens over TLS); each
-    RPC asks for its role; no token, an unknown one, a plaintext caller get nothing."""
+@pytest.fixture(scope="module")
+def secure(pki, tmp_path_factory):
+    """Both services with TLS and tokens (every role's in one file), 2 -> 2 tiny workers; the
+    inference deadline of an update is 6 s, then 3 s for the trainer's FinishUpdate (the clamp test
+    waits them out)."""
+    d = tmp_path_factory.mktemp("secure")
     env = dict(os.environ, RESHARD_TLS_CERT=str(pki / "cert.pem"), RESHARD_TLS_KEY=str(pki / "key.pem"),
                RESHARD_TLS_CA=str(pki / "ca.pem"), RESHARD_TOKEN_FILE=str(pki / "services.tokens"))
     inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    inf_log, tr_log = tmp_path / "inference.log", tmp_path / "trainer.log"
+    inf_log, tr_log = d / "inference.log", d / "trainer.log"
     procs = []
     try:
         with open(inf_log, "w") as log:
-            procs.append(_start(["inference", "--listen", inf, "--workers", "2", "--model", "tiny"], env, log))
+            procs.append(_start(["inference", "--listen", inf, "--workers", "2", "--model", "tiny", "--update-timeout", "6",
+                                 "--rpc-timeout", "3"],
+                                env, log))
         with open(tr_log, "w") as log:
             procs.append(_start(["trainer", "--listen", tr, "--workers", "2", "--model", "tiny", "--inference", inf,
                                  "--run", "sec"], env, log))
         _wait_serving(inf, pki, TOKENS["operator"], inf_log)
         _wait_serving(tr, pki, TOKENS["operator"], tr_log)
-
-        # The operator's CLI: TLS from --tls-ca, its token from a file given by flag.
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
-        op = ["--tls-ca", str(pki / "ca.pem"), "--token-file", str(pki / "operator.tokens")]
-        r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--wait", "--json", *op],
-                           env=clean, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr + tr_log.read_text()[-3000:] + inf_log.read_text()[-3000:]
-        assert json.loads(r.stdout)["committed"]["run"] == "sec"
-        # An operator may not read weights back.
-        r = subprocess.run([*module_command("reshard.cli"), "dump", "--inference", inf, "--tensor", "lm_head.weight",
-                            "--out", str(tmp_path / "x.pt"), *op], env=clean, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr and "admin" in r.stderr, r.stderr
-
-        def call(stub_cls, method, req, token=None, streaming=False):
-            md = [("authorization", f"Bearer {token}")] if token else None
-            with grpc.secure_channel(inf if stub_cls is rgrpc.InferenceServiceStub else tr, _creds(pki)) as ch:
-                fn = getattr(stub_cls(ch), method)
-                try:
-                    out = fn(req, timeout=10, metadata=md)
-                    if streaming:
-                        out = list(out)
-                    return grpc.StatusCode.OK, out
-                except grpc.RpcError as e:
-                    return e.code(), e.details()
-
-        I, T = rgrpc.InferenceServiceStub, rgrpc.TrainerServiceStub
-        assert call(I, "GetStatus", pb.StatusRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
-        assert call(I, "GetStatus", pb.StatusRequest(), "x" * 32)[0] == grpc.StatusCode.UNAUTHENTICATED
-        assert call(I, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[0] == grpc.StatusCode.OK  # admin covers operator
-        assert call(I, "Dump", pb.DumpRequest(tensor="lm_head.weight"), TOKENS["operator"], True)[0] == grpc.StatusCode.PERMISSION_DENIED
-        code, chunks = call(I, "Dump", pb.DumpRequest(tensor="lm_head.weight"), TOKENS["admin"], True)
-        assert code == grpc.StatusCode.OK and chunks[0].version.run == "sec"
-        # A forged update from someone without the peer token changes nothing.
-        begin = pb.BeginUpdateRequest(update_id="forged", version=pb.Version(run="evil", step=99), src_fingerprint="f",
-                                      session=pb.Session(id="s"))
-        assert call(I, "BeginUpdate", begin, TOKENS["admin"])[0] == grpc.StatusCode.PERMISSION_DENIED
-        assert call(T, "AttachInference", pb.AttachRequest(address="10.0.0.1:1"), TOKENS["operator"])[0] == grpc.StatusCode.PERMISSION_DENIED
-        # Every RPC of every service, with no token, an unknown one, and each role that may not call it.
-        before = {a: call(S, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1] for a, S in ((inf, I), (tr, T))}
-        refused = 0
-        for method, role in METHOD_ROLES.items():
-            service, name = method.rsplit("/", 1)
-            addr = inf if "Inference" in service else tr
-            desc = next(d.services_by_name[service.split(".")[-1]] for d in (pb.DESCRIPTOR, wpb.DESCRIPTOR)
-                        if service[1:] in [x.full_name for x in d.services_by_name.values()])
-            m = desc.methods_by_name[name]
-            req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-            wrong_roles = [r for r in TOKENS if not satisfies({r}, role)]
-            for token, want in [(None, grpc.StatusCode.UNAUTHENTICATED), ("z" * 32, grpc.StatusCode.UNAUTHENTICATED)] + \
-                    [(TOKENS[r], grpc.StatusCode.PERMISSION_DENIED) for r in wrong_roles]:
-                md = [("authorization", f"Bearer {token}")] if token else None
-                with grpc.secure_channel(addr, _creds(pki)) as ch:
-                    kind = (m.client_streaming, m.server_streaming)
-                    fn = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
-                          (True, True): ch.stream_stream}[kind](method, request_serializer=req_cls.SerializeToString,
-                                                                 response_deserializer=rep_cls.FromString)
-                    arg = iter([req_cls()]) if m.client_streaming else req_cls()
-                    with pytest.raises(grpc.RpcError) as e:
-                        out = fn(arg, timeout=10, metadata=md)
-                        if m.server_streaming:
-                            list(out)
-                    assert e.value.code() == want, (method, token and token[:3], e.value.code(), e.value.details())
-                    refused += 1
-        assert refused >= 3 * len(METHOD_ROLES)
-        for a, S in ((inf, I), (tr, T)):  # nothing changed: versions, deployments, workers
-            after = call(S, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
-            assert (after.version, list(after.deployments), [(w.rank, w.pid, w.version) for w in after.workers]) == \
-                (before[a].version, list(before[a].deployments), [(w.rank, w.pid, w.version) for w in before[a].workers])
-        st = call(I, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
-        assert st.version.run == "sec" and st.serving_state == "SERVING"
-        # Health stays open (container probes), weights do not.
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.secure_channel(inf, _creds(pki)) as ch:
-            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
-        # Plaintext to a TLS port gets nothing.
-        with grpc.insecure_channel(inf) as ch:
-            with pytest.raises(grpc.RpcError) as e:
-                rgrpc.InferenceServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=3,
-                                                         metadata=[("authorization", f"Bearer {TOKENS['admin']}")])
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        yield types.SimpleNamespace(inf=inf, tr=tr, inf_log=inf_log, tr_log=tr_log, pids=[p.pid for p in procs], pki=pki)
     finally:
         stop_processes(procs)
+
+
+def _call(addr, pki, stub_cls, method, req, token=None, streaming=False, timeout=10):
+    md = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.secure_channel(addr, _creds(pki)) as ch:
+        fn = getattr(stub_cls(ch), method)
+        try:
+            out = fn(req, timeout=timeout, metadata=md)
+            if streaming:
+                out = list(out)
+            return grpc.StatusCode.OK, out
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+
+
+def _peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def test_tls_and_tokens_end_to_end(secure, tmp_path):
+    """Both services with TLS and tokens: an update commits (peer and worker tokens over TLS); each
+    RPC asks for its role; no token, an unknown one, a plaintext caller get nothing."""
+    pki, inf, tr, inf_log, tr_log = secure.pki, secure.inf, secure.tr, secure.inf_log, secure.tr_log
+    # The operator's CLI: TLS from --tls-ca, its token from a file given by flag.
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    op = ["--tls-ca", str(pki / "ca.pem"), "--token-file", str(pki / "operator.tokens")]
+    r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--wait", "--json", *op],
+                       env=clean, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + tr_log.read_text()[-3000:] + inf_log.read_text()[-3000:]
+    assert json.loads(r.stdout)["committed"]["run"] == "sec"
+    # An operator may not read weights back.
+    r = subprocess.run([*module_command("reshard.cli"), "dump", "--inference", inf, "--tensor", "lm_head.weight",
+                        "--out", str(tmp_path / "x.pt"), *op], env=clean, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr and "admin" in r.stderr, r.stderr
+
+    def call(stub_cls, method, req, token=None, streaming=False):
+        return _call(inf if stub_cls is rgrpc.InferenceServiceStub else tr, pki, stub_cls, method, req, token, streaming)
+
+    I, T = rgrpc.InferenceServiceStub, rgrpc.TrainerServiceStub
+    assert call(I, "GetStatus", pb.StatusRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert call(I, "GetStatus", pb.StatusRequest(), "x" * 32)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert call(I, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[0] == grpc.StatusCode.OK  # admin covers operator
+    assert call(I, "Dump", pb.DumpRequest(tensor="lm_head.weight"), TOKENS["operator"], True)[0] == grpc.StatusCode.PERMISSION_DENIED
+    code, chunks = call(I, "Dump", pb.DumpRequest(tensor="lm_head.weight"), TOKENS["admin"], True)
+    assert code == grpc.StatusCode.OK and chunks[0].version.run == "sec"
+    # A forged update from someone without the peer token changes nothing.
+    begin = pb.BeginUpdateRequest(update_id="forged", version=pb.Version(run="evil", step=99), src_fingerprint="f",
+                                  session=pb.Session(id="s"))
+    assert call(I, "BeginUpdate", begin, TOKENS["admin"])[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert call(T, "AttachInference", pb.AttachRequest(address="10.0.0.1:1"), TOKENS["operator"])[0] == grpc.StatusCode.PERMISSION_DENIED
+    # Every RPC of every service, with no token, an unknown one, and each role that may not call it.
+    before = {a: call(S, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1] for a, S in ((inf, I), (tr, T))}
+    refused = 0
+    worker_addr = call(T, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1].worker_address
+    assert worker_addr.startswith("unix:"), worker_addr
+    for method, role in METHOD_ROLES.items():
+        service, name = method.rsplit("/", 1)
+        addr = inf if "Inference" in service else tr if "Trainer" in service else worker_addr
+        desc = next(d.services_by_name[service.split(".")[-1]] for d in (pb.DESCRIPTOR, wpb.DESCRIPTOR)
+                    if service[1:] in [x.full_name for x in d.services_by_name.values()])
+        m = desc.methods_by_name[name]
+        req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
+        wrong_roles = [r for r in TOKENS if not satisfies({r}, role)]
+        for token, want in [(None, grpc.StatusCode.UNAUTHENTICATED), ("z" * 32, grpc.StatusCode.UNAUTHENTICATED)] + \
+                [(TOKENS[r], grpc.StatusCode.PERMISSION_DENIED) for r in wrong_roles]:
+            md = [("authorization", f"Bearer {token}")] if token else None
+            with (grpc.insecure_channel(addr) if addr.startswith("unix:") else grpc.secure_channel(addr, _creds(pki))) as ch:
+                kind = (m.client_streaming, m.server_streaming)
+                fn = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
+                      (True, True): ch.stream_stream}[kind](method, request_serializer=req_cls.SerializeToString,
+                                                             response_deserializer=rep_cls.FromString)
+                arg = iter([req_cls()]) if m.client_streaming else req_cls()
+                with pytest.raises(grpc.RpcError) as e:
+                    out = fn(arg, timeout=10, metadata=md)
+                    if m.server_streaming:
+                        list(out)
+                assert e.value.code() == want, (method, token and token[:3], e.value.code(), e.value.details())
+                refused += 1
+    assert refused >= 3 * len(METHOD_ROLES)
+    for a, S in ((inf, I), (tr, T)):  # nothing changed: versions, deployments, workers
+        after = call(S, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
+        assert (after.version, list(after.deployments), [(w.rank, w.pid, w.version) for w in after.workers]) == \
+            (before[a].version, list(before[a].deployments), [(w.rank, w.pid, w.version) for w in before[a].workers])
+    st = call(I, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
+    assert st.version.run == "sec" and st.serving_state == "SERVING"
+    # Health stays open (container probes), weights do not.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.secure_channel(inf, _creds(pki)) as ch:
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    # Plaintext to a TLS port gets nothing.
+    with grpc.insecure_channel(inf) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            rgrpc.InferenceServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=3,
+                                                     metadata=[("authorization", f"Bearer {TOKENS['admin']}")])
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _attach(addr, pki, token, hello):
+    """A worker stream's first message, as a rogue would send it; (status, details)."""
+    md = [("authorization", f"Bearer {token}")] if token else None
+    with (grpc.insecure_channel(addr) if addr.startswith("unix:") else grpc.secure_channel(addr, _creds(pki))) as ch:
+        fn = ch.stream_stream("/reshard.worker.v1.WorkerControl/Attach", request_serializer=wpb.WorkerMessage.SerializeToString,
+                              response_deserializer=wpb.ControllerMessage.FromString)
+        try:
+            for _ in fn(iter([wpb.WorkerMessage(hello=hello)]), timeout=10, metadata=md):
+                break
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+
+
+def test_the_worker_protocol_has_its_own_listener_and_refuses_forged_hellos(secure):
+    """Workers attach on the controller's worker listener (a Unix socket by default), never on the
+    public port; a hello needs the worker token, and one for a rank whose worker lives is refused."""
+    T = rgrpc.TrainerServiceStub
+    st = _call(secure.tr, secure.pki, T, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
+    before = sorted((w.rank, w.pid, w.state) for w in st.workers)
+    waddr = st.worker_address
+    forged = wpb.Hello(rank=0, world=2, pid=4242, role="trainer", model="tiny")
+    assert _attach(secure.tr, secure.pki, TOKENS["worker"], forged)[0] == grpc.StatusCode.UNIMPLEMENTED
+    assert _attach(waddr, secure.pki, None, forged)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert _attach(waddr, secure.pki, TOKENS["admin"], forged)[0] == grpc.StatusCode.PERMISSION_DENIED
+    code, details = _attach(waddr, secure.pki, TOKENS["worker"], forged)
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "held by" in details, (code, details)
+    st = _call(secure.tr, secure.pki, T, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
+    assert sorted((w.rank, w.pid, w.state) for w in st.workers) == before and {w.state for w in st.workers} == {"READY"}
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP port listens on (from /proc/net/tcp), as dotted IPv4 or 'v6'."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:
+                    out.add(".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)) if len(addr) == 8 else "v6")
+    return out
+
+
+def test_the_session_store_admits_only_holders_of_the_session_secret(secure):
+    """The trainer's rendezvous store listens on the controller's address only, and a session's
+    keys live under a secret that travels only on the authenticated control plane: a process that
+    reaches the store joins nothing, and the next update commits bit-exact."""
+    import datetime
+
+    import torch
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    from reshard.common.models import model_config
+    from reshard.common.synth import tensor_value
+
+    m = re.search(r"session store on ([0-9.]+):([0-9]+)", secure.tr_log.read_text())
+    assert m, secure.tr_log.read_text()[-2000:]
+    host, port = m.group(1), int(m.group(2))
+    assert _listening(port) == {"127.0.0.1"}, _listening(port)
+    store = TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+    for guess in ("reshard", "reshard/0", "reshard/s"):
+        store.set(f"{guess}/0", b"rogue")  # what it can write lands beside the sessions, never in one
+        with pytest.raises(RuntimeError):
+            ProcessGroupGloo(PrefixStore(guess, store), 0, 4, datetime.timedelta(seconds=1))
+    del store
+    op = ["--tls-ca", str(secure.pki / "ca.pem"), "--token-file", str(secure.pki / "operator.tokens")]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", secure.tr, "--wait", "--json", *op],
+                       env=clean, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + secure.tr_log.read_text()[-3000:]
+    step = json.loads(r.stdout)["committed"]["step"]
+    code, chunks = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "Dump", pb.DumpRequest(tensor="lm_head.weight"),
+                         TOKENS["admin"], True)
+    assert code == grpc.StatusCode.OK
+    got = torch.frombuffer(bytearray(b"".join(c.data for c in chunks)), dtype=torch.bfloat16).view(list(chunks[0].shape))
+    spec = model_config("tiny").tensors()["lm_head.weight"]
+    assert chunks[0].version.step == int(step)
+    assert torch.equal(got, tensor_value(0, "lm_head.weight", int(step), spec.shape, torch.bfloat16))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _raw(addr, pki, method, body: bytes, token, timeout=10):
+    """One call with a request body as given (no serializer): (status, details)."""
+    md = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.secure_channel(addr, _creds(pki), options=[("grpc.max_send_message_length", 512 << 20)]) as ch:
+        try:
+            ch.unary_unary(method)(body, timeout=timeout, metadata=md)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+
+
+def test_oversized_and_malformed_requests_and_layout_bombs_are_refused(secure):
+    """Each method's size limit, a body that does not parse, and a layout that declares 320 MiB
+    inflated: refused with a clear status before they take memory (the controller's peak RSS is
+    printed), and the deployment keeps serving."""
+    import zlib
+
+    from reshard.common.columns import WIRE_MAGIC
+
+    inf_pid = _controller_pid(secure, "inference")
+    rss0 = _peak_rss_mib(inf_pid)
+    big = b"\x9a\x06" + _varint(100_000) + bytes(100_000)  # an unknown field 99 of 100 kB: over GetStatus's 64 KiB
+    code, details = _raw(secure.inf, secure.pki, "/reshard.v1.InferenceService/GetStatus", big, TOKENS["operator"])
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 65536 bytes" in details, (code, details)
+    code, details = _raw(secure.tr, secure.pki, "/reshard.v1.TrainerService/TriggerUpdate",
+                         pb.TriggerUpdateRequest(tensors=["x" * 1000] * 2000).SerializeToString(), TOKENS["operator"])
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    code, details = _raw(secure.inf, secure.pki, "/reshard.v1.InferenceService/GetStatus", b"\xff\xff\xff", TOKENS["operator"])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in details, (code, details)
+    z = zlib.compressobj(1)
+    stream = b"".join(z.compress(bytes(64 << 20)) for _ in range(5)) + z.flush()
+    served = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
+    bomb = pb.BeginUpdateRequest(update_id="bomb", version=pb.Version(run="sec", step=served.version.step + 1000),
+                                 src_layout=WIRE_MAGIC + (320 << 20).to_bytes(8, "little") + stream, plan_digest="0",
+                                 session=pb.Session(id="s", key="k" * 32), epoch=time.time_ns())
+    code, details = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "BeginUpdate", bomb, TOKENS["peer"])
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "over the limit" in details, (code, details)
+    rss1 = _peak_rss_mib(inf_pid)
+    print(f"inference controller peak RSS {rss0:.0f} -> {rss1:.0f} MiB across an oversized request, a malformed one and "
+          f"a {len(stream) >> 20} MiB layout that declares 320 MiB")
+    assert rss1 - rss0 < 64
+    after = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
+    assert after.serving_state == "SERVING" and after.version == served.version
+
+
+def _controller_pid(secure, role: str) -> int:
+    """The controller's own pid: the process group leader started by the fixture."""
+    return secure.pids[0 if role == "inference" else 1]
+
+
+# The public RPCs: (address attribute, method, the role whose token is sent).
+PUBLIC = [(("inf" if m.startswith("/reshard.v1.Inference") else "tr"), m, role) for m, role in METHOD_ROLES.items() if "/reshard.v1." in m]
+
+
+def _strategy_of(desc, depth: int = 0):
+    """Requests of a proto message type with any field missing or set to a hostile value: huge and
+    negative numbers, NaN, long strings, unknown names, random bytes, versions going backwards."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+    from hypothesis import strategies as st
+
+    def scalar(f):
+        if f.type == F.TYPE_STRING:
+            return st.text(max_size=40) | st.sampled_from(["lm_head.weight", "*", "model.layers.*", "sec", "127.0.0.1:1", ""]) \
+                | st.integers(1000, 100_000).map(lambda n: "x" * n)
+        if f.type == F.TYPE_BYTES:
+            return st.binary(max_size=300) | st.binary(max_size=64).map(lambda b: b"RSL3c" + b)
+        if f.type in (F.TYPE_INT64, F.TYPE_SINT64, F.TYPE_SFIXED64):
+            return st.integers(-(1 << 63), (1 << 63) - 1) | st.sampled_from([0, -1, 1, 1 << 62])
+        if f.type in (F.TYPE_INT32, F.TYPE_SINT32, F.TYPE_SFIXED32):
+            return st.integers(-(1 << 31), (1 << 31) - 1) | st.sampled_from([0, -1, 1, 2, 3])
+        if f.type in (F.TYPE_DOUBLE, F.TYPE_FLOAT):
+            return st.floats(allow_nan=True, allow_infinity=True, width=32 if f.type == F.TYPE_FLOAT else 64) \
+                | st.sampled_from([1e9, -1.0, 0.0])
+        if f.type == F.TYPE_BOOL:
+            return st.booleans()
+        if f.type == F.TYPE_MESSAGE:
+            return _strategy_of(f.message_type, depth + 1) if depth < 2 else st.nothing()
+        return st.nothing()
+
+    def repeated(f) -> bool:
+        return f.is_repeated if hasattr(f, "is_repeated") else f.label == F.LABEL_REPEATED
+
+    def field(f):
+        v = scalar(f)
+        return st.lists(v, max_size=4) if repeated(f) else v
+
+    cls = GetMessageClass(desc)
+
+    def build(values: dict):
+        msg = cls()
+        for name, v in values.items():
+            f = desc.fields_by_name[name]
+            if v is None:
+                continue
+            if repeated(f):
+                target = getattr(msg, name)
+                for x in v:
+                    target.add().CopyFrom(x) if f.type == F.TYPE_MESSAGE else target.append(x)
+            elif f.type == F.TYPE_MESSAGE:
+                getattr(msg, name).CopyFrom(v)
+            else:
+                setattr(msg, name, v)
+        return msg
+
+    return st.fixed_dictionaries({f.name: st.none() | field(f) for f in desc.fields}).map(build)
+
+
+def test_malformed_requests_get_a_clear_status_and_the_services_stay_healthy(secure):
+    """Requests generated from the proto messages (and bodies that are not the message at all), sent
+    with a token that may make the call: each is answered with a status that says what is wrong
+    (never UNKNOWN or INTERNAL), and both services serve afterwards."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    methods = {}
+    for where, method, role in PUBLIC:
+        service, name = method.rsplit("/", 1)
+        m = pb.DESCRIPTOR.services_by_name[service.split(".")[-1]].methods_by_name[name]
+        methods[method] = (where, role, m)
+    answered = []
+
+    def send(method, body: bytes):
+        where, role, m = methods[method]
+        md = [("authorization", f"Bearer {TOKENS['admin' if role == 'operator' else role]}")]
+        wait = method.endswith("WaitForVersion")
+        with grpc.secure_channel(getattr(secure, where), _creds(secure.pki)) as ch:
+            try:
+                if m.server_streaming:
+                    list(ch.unary_stream(method)(body, timeout=20, metadata=md))
+                else:
+                    ch.unary_unary(method)(body, timeout=2 if wait else 20, metadata=md)
+                return grpc.StatusCode.OK, ""
+            except grpc.RpcError as e:
+                if wait and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return grpc.StatusCode.OK, ""  # a wait for a version that never comes: the caller's deadline ends it
+                return e.code(), e.details()
+
+    requests = st.sampled_from(sorted(methods)).flatmap(
+        lambda method: st.tuples(st.just(method), st.one_of(
+            _strategy_of(methods[method][2].input_type).map(lambda r: r.SerializeToString()),
+            st.binary(min_size=1, max_size=200))))  # wrong wire types, truncated fields, garbage
+
+    @settings(max_examples=48, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(requests)
+    def one(req):
+        method, body = req
+        code, details = send(method, body)
+        answered.append((method, code))
+        assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED), \
+            (method, body[:80], code, details)
+        assert code == grpc.StatusCode.OK or details, (method, code)
+
+    one()
+    print(f"{len(answered)} malformed requests over {len({m for m, _ in answered})} methods: "
+          + ", ".join(f"{c.name} {n}" for c, n in sorted(collections.Counter(c for _, c in answered).items(), key=str)))
+    assert len(answered) >= 40 and len({m for m, _ in answered}) >= 8
+    T, I = rgrpc.TrainerServiceStub, rgrpc.InferenceServiceStub
+    for addr, S in ((secure.tr, T), (secure.inf, I)):
+        with grpc.secure_channel(addr, _creds(secure.pki)) as ch:
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    st_tr = _call(secure.tr, secure.pki, T, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
+    for d in st_tr.deployments:  # whatever a generated AttachInference added goes again
+        if d.address != secure.inf:
+            _call(secure.tr, secure.pki, T, "DetachInference", pb.AttachRequest(address=d.address), TOKENS["admin"])
+    st_inf = _call(secure.inf, secure.pki, I, "GetStatus", pb.StatusRequest(), TOKENS["admin"])[1]
+    assert st_inf.serving_state == "SERVING" and {w.state for w in st_inf.workers} == {"READY"}
+
+
+def test_mutual_tls_refuses_other_cas_and_names_the_trainers_that_may_push(tmp_path):
+    """An inference service with --mtls --allow-peer trainer-a (no workers needed): a client
+    certificate from another CA, or none, gets no connection; a trainer-b certificate with the peer
+    token gets PERMISSION_DENIED on the peer calls; trainer-a's gets through."""
+    trustme = pytest.importorskip("trustme")
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    pems = {}
+    for who, issuer in (("inference", ca), ("trainer-a", ca), ("trainer-b", ca), ("foreign", other)):
+        c = issuer.issue_cert(who, "127.0.0.1", "localhost")
+        pems[who] = (c.private_key_pem.bytes(), c.cert_chain_pems[0].bytes())
+    (tmp_path / "key.pem").write_bytes(pems["inference"][0])
+    (tmp_path / "cert.pem").write_bytes(pems["inference"][1])
+    (tmp_path / "tokens").write_text("".join(f"{r} {t}\n" for r, t in TOKENS.items()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    inf = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / "inference.log"
+    with open(log_path, "w") as log:
+        p = _start(["inference", "--listen", inf, "--workers", "1", "--model", "tiny", "--external-workers",
+                    "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem"),
+                    "--tls-ca", str(tmp_path / "ca.pem"), "--mtls", "--allow-peer", "trainer-a",
+                    "--token-file", str(tmp_path / "tokens")], env, log)
+    root = (tmp_path / "ca.pem").read_bytes()
+
+    def call(who, method, req, token):
+        creds = grpc.ssl_channel_credentials(root, *pems[who]) if who else grpc.ssl_channel_credentials(root)
+        with grpc.secure_channel(inf, creds) as ch:
+            try:
+                getattr(rgrpc.InferenceServiceStub(ch), method)(req, timeout=5, metadata=[("authorization", f"Bearer {token}")])
+                return grpc.StatusCode.OK, ""
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+
+    try:
+        t0 = time.monotonic()
+        while call("trainer-a", "GetStatus", pb.StatusRequest(), TOKENS["operator"])[0] != grpc.StatusCode.OK:
+            assert p.poll() is None and time.monotonic() - t0 < 60, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        for who in ("foreign", None):  # another CA's certificate, or none: no TLS session at all
+            assert call(who, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[0] == grpc.StatusCode.UNAVAILABLE
+        abort = pb.AbortUpdateRequest(update_id="none", reason="test")
+        code, details = call("trainer-b", "AbortUpdate", abort, TOKENS["peer"])
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "may not make peer calls here" in details, (code, details)
+        assert call("trainer-a", "AbortUpdate", abort, TOKENS["peer"])[0] == grpc.StatusCode.OK
+    finally:
+        stop_processes([p])
 
 
 @pytest.mark.slow  # about 15 s of CLI starts
@@ -269,3 +603,40 @@ def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(t
                     assert json.loads(r.stdout)["committed"]["run"] == "trainer-a"
     finally:
         stop_processes(procs)
+
+
+def test_a_callers_huge_timeout_is_clamped_by_the_server(secure):
+    """A peer's BeginUpdate with timeout_s=1e9 whose sources never connect: the inference
+    controller's own deadline (--update-timeout 6, then --rpc-timeout 3 for a FinishUpdate) ends it, and the deployment serves what it
+    served. (Last in this module: its epoch fences the fixture's trainer out.)"""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    I = rgrpc.InferenceServiceStub
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    lay = _call(secure.inf, secure.pki, I, "GetLayout", pb.GetLayoutRequest(), TOKENS["peer"])[1]
+    served = _call(secure.inf, secure.pki, I, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1].version
+    req = pb.BeginUpdateRequest(update_id="clamp-0", version=pb.Version(run=served.run, step=served.step + 1000),
+                                src_layout=lay.layout, plan_digest="?", timeout_s=1e9, epoch=time.time_ns(),
+                                session=pb.Session(id="clamp", store_host="127.0.0.1", store_port=store.port, src_world=lay.workers,
+                                                   dst_world=lay.workers, transport="gloo", key="k" * 32))
+    code, details = _call(secure.inf, secure.pki, I, "BeginUpdate", req, TOKENS["peer"])
+    m = re.search(r"inference (\w+)", details)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and m, (code, details)
+    req.update_id, req.plan_digest = "clamp-1", m.group(1)  # a peer that plans as inference does
+    t0 = time.monotonic()
+    code, details = _call(secure.inf, secure.pki, I, "BeginUpdate", req, TOKENS["peer"])
+    assert code == grpc.StatusCode.OK, (code, details)
+    while True:
+        st = _call(secure.inf, secure.pki, I, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
+        if not st.update_in_progress:
+            break
+        assert time.monotonic() - t0 < 30, st
+        time.sleep(0.2)
+    took = time.monotonic() - t0
+    print(f"an update asked for timeout_s=1e9 ended after {took:.1f}s (the server's deadline: 6 s, then 3 s for the "
+          f"trainer's FinishUpdate): {st.last_error}")
+    assert took < 6 + 3 + 6 and st.serving_state == "SERVING" and st.version == served
+    log = secure.inf_log.read_text()
+    assert "failed after 6." in log and "k" * 32 not in log  # the data plane gave up at 6 s; its secret is not logged

@@ -65,11 +65,11 @@ def test_trainer_may_write_only_after_every_deployment_has_the_version(tmp_path)
     both deployments must still commit exactly the published step (no torn weights). The workers
     are made without run= (the controller's run names the version) and publish right after start()."""
     cfg = model_config("tiny")
-    a, b, tr = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    a, b, tr, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
     procs = [start(["inference", "--listen", a, "--workers", "2", "--model", "tiny"], f"{tmp_path}/a.log"),
              start(["inference", "--listen", b, "--layout", "framework=vllm,tp=1,dp=2", "--model", "tiny"], f"{tmp_path}/b.log"),
              start(["trainer", "--listen", tr, "--workers", "2", "--model", "tiny", "--inference", a, "--inference", b,
-                    "--external-workers", "--run", "ctl-run"], f"{tmp_path}/t.log")]
+                    "--external-workers", "--run", "ctl-run", "--worker-listen", tr_w], f"{tmp_path}/t.log")]
     src = megatron_layout(cfg, 2)
     trainers = []
 
@@ -88,7 +88,7 @@ def test_trainer_may_write_only_after_every_deployment_has_the_version(tmp_path)
             wait_status(addr, "inference", lambda s: s["serving_state"] == "SERVING", what=f"{addr} serving")
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
-            trainers.append(TrainerWorker(tr, r, 2, src.tensors, bufs))
+            trainers.append(TrainerWorker(tr_w, r, 2, src.tensors, bufs))
         for step in (1, 2):
             fill(step)
             if step == 1:
@@ -292,8 +292,9 @@ def test_a_restarted_trainer_controller_recovers_what_its_workers_published(tmp_
     procs = [subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
                                "--model", "tiny"], env=env, stdout=subprocess.DEVNULL,
                               stderr=open(f"{tmp_path}/inf.log", "w"), start_new_session=True)]
+    tr_w = f"unix:{tmp_path}/trainer-workers.sock"  # the same path after the restart: the workers find it again
     trainer_cmd = ["trainer", "--listen", tr, "--workers", "2", "--model", "tiny", "--inference", inf, "--external-workers",
-                   "--run", "r"]
+                   "--run", "r", "--worker-listen", tr_w]
     procs.append(start(trainer_cmd, f"{tmp_path}/t1.log"))
     src = megatron_layout(cfg, 2)
     trainers = []
@@ -305,7 +306,7 @@ def test_a_restarted_trainer_controller_recovers_what_its_workers_published(tmp_
                 for p in desc.pieces:
                     bufs[desc.name][1][p.region.slices()].copy_(
                         tensor_value(SEED, p.tensor, 1, cfg.tensors()[p.tensor].shape, torch.bfloat16)[p.box.slices()])
-            trainers.append(TrainerWorker(tr, r, 2, src.tensors, bufs).start())
+            trainers.append(TrainerWorker(tr_w, r, 2, src.tensors, bufs).start())
         handles = [w.publish(1) for w in trainers]
         wait_status(inf, "inference", lambda s: s.get("progress", {}).get("phase") == "TRANSFER", what="transfer")
         os.killpg(procs[-1].pid, signal.SIGKILL)  # the controller dies mid-push

@@ -1,7 +1,8 @@
 """docker-compose.yml and the Dockerfile checked against the CLI, without docker.
 
-Every container command must be one `reshard` accepts, and the addresses the services
-hand each other must name the right service and port."""
+Every container command must be one `reshard` accepts, the addresses the services
+hand each other must name the right service and port, and the credentials they use
+(TLS and tokens by default) must be the files the `certs` service writes."""
 
 from __future__ import annotations
 
@@ -9,19 +10,27 @@ import ast
 import contextlib
 import io
 import json
+import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
+from reshard import certs as certs_cmd
 from reshard.cli import build_parser
+from reshard.cli import main as cli_main
 from reshard.common.rpc import parse_address
+from reshard.common.security import _ENV_KEYS, AuthInterceptor, Security
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 WILDCARD_OR_LOOPBACK = {"0.0.0.0", "::", "", "127.0.0.1", "localhost", "::1"}
+SERVERS = ("inference", "trainer")
+PATH_FLAGS = ("tls_cert", "tls_key", "tls_ca", "token_file", "tokens_dir")  # the credential flags that name files
+PRIVATE = tuple(f for f in certs_cmd.FILES if f.endswith(("-key.pem", ".token")))
 
 
 def parse_command(service: str, command):
@@ -70,12 +79,51 @@ def healthcheck_argv(service: str, svc: dict) -> list[str]:
     pytest.fail(f"service {service!r}: healthcheck snippet runs no `reshard` command")
 
 
+def volume_mounts(service: str, svc: dict) -> dict[str, tuple[str, bool]]:
+    """A service's volumes: container path -> (source, read-only), short (`src:/dst[:ro]`) or long syntax."""
+    out = {}
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            parts = v.split(":")
+            assert len(parts) in (2, 3), f"service {service!r}: volume {v!r} is not SOURCE:TARGET[:MODE]"
+            out[parts[1].rstrip("/")] = (parts[0], len(parts) == 3 and "ro" in parts[2].split(","))
+        else:
+            out[v["target"].rstrip("/")] = (v.get("source", ""), bool(v.get("read_only")))
+    return out
+
+
+def in_volume(service: str, svc: dict, path: str) -> tuple[str, str]:
+    """(volume source, path inside the volume) of a path in the service's container; a test failure
+    when no volume of the service holds it (the container would not find the file)."""
+    for target, (source, _) in sorted(volume_mounts(service, svc).items(), key=lambda kv: -len(kv[0])):
+        if path == target or path.startswith(target + "/"):
+            return source, path[len(target):].lstrip("/")
+    pytest.fail(f"service {service!r}: {path} lies in none of its volumes {sorted(volume_mounts(service, svc))}")
+
+
+@pytest.fixture(scope="module")
+def clients(services, parsed) -> dict:
+    """Every command that calls a service, by name: update and the health checks (each runs in its
+    service's container) -> (service, namespace)."""
+    out = {"update": ("update", parsed["update"])}
+    for name in SERVERS:
+        out[f"{name} healthcheck"] = (name, parse_command(f"{name} healthcheck", healthcheck_argv(name, services[name])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def certs_out(services, parsed) -> tuple[str, str]:
+    """(volume, folder inside it) where the certs service writes."""
+    return in_volume("certs", services["certs"], parsed["certs"].out)
+
+
 def test_three_services(services):
-    assert {"inference", "trainer", "update"} <= set(services)
+    assert {"certs", "inference", "trainer", "update"} <= set(services)
 
 
 def test_every_command_is_a_list_the_cli_accepts(services, parsed):
     assert set(parsed) == set(services)
+    assert parsed["certs"].command == "certs"
     assert parsed["inference"].command == "inference"
     assert parsed["trainer"].command == "trainer"
     assert parsed["update"].command == "update"
@@ -139,12 +187,207 @@ def test_trainer_healthcheck(parsed, services):
     assert parse_address(ns.trainer)[1] == parse_address(parsed["trainer"].listen)[1]
 
 
+def dependencies(svc: dict) -> dict[str, str]:
+    """A service's depends_on: name -> condition (the list form means service_started)."""
+    dep = svc.get("depends_on", {})
+    if isinstance(dep, list):
+        return {d: "service_started" for d in dep}
+    return {d: c.get("condition", "service_started") for d, c in dep.items()}
+
+
 def test_startup_order(services):
-    inf_dep = services["trainer"]["depends_on"]
-    assert "inference" in inf_dep
-    if isinstance(inf_dep, dict):
-        assert inf_dep["inference"].get("condition") == "service_healthy"
-    assert "trainer" in services["update"]["depends_on"]
+    # certs -> inference -> trainer -> update: the credentials exist before any service reads them,
+    # and each service is up before the next one calls it.
+    assert dependencies(services["certs"]) == {}
+    assert dependencies(services["inference"]) == {"certs": "service_completed_successfully"}
+    assert dependencies(services["trainer"]) == {"certs": "service_completed_successfully", "inference": "service_healthy"}
+    assert dependencies(services["update"]) == {"trainer": "service_healthy"}
+
+
+def test_every_service_reading_credentials_starts_after_certs(services, certs_out):
+    def after(name: str) -> set[str]:
+        return {d for d0 in dependencies(services[name]) for d in {d0} | after(d0)}
+
+    for name, svc in services.items():
+        if name != "certs" and any(src == certs_out[0] for src, _ in volume_mounts(name, svc).values()):
+            assert "certs" in after(name), f"service {name!r} mounts the certs volume but may start before certs"
+
+
+def test_certs_service_issues_once_for_every_name_the_services_are_called_by(compose, services, parsed, clients, certs_out):
+    ns, svc = parsed["certs"], services["certs"]
+    assert ns.keep_existing and not ns.force, "certs must keep an existing set (same CA and tokens across restarts)"
+    assert svc.get("restart") == "no"
+    volume, _ = certs_out
+    assert volume in (compose.get("volumes") or {}), f"the certs volume {volume!r} is not a named volume"
+    assert not volume_mounts("certs", svc)[ns.out.rstrip("/")][1], "certs cannot write a read-only mount"
+    called = {parse_address(parsed["trainer"].inference[0])[0], parse_address(parsed["update"].trainer)[0]}
+    called |= {parse_address(c.trainer or c.inference)[0] for name, (_, c) in clients.items() if name != "update"}
+    assert called <= set(ns.host), f"the server certificate is not issued for {sorted(called - set(ns.host))}"
+    assert {"trainer", "inference", "localhost", "127.0.0.1"} <= set(ns.host)
+
+
+def test_services_serve_tls_with_tokens(parsed):
+    for name in SERVERS:
+        ns = parsed[name]
+        assert ns.tls_cert and ns.tls_key and ns.tokens_dir, f"service {name!r} must serve TLS and check tokens"
+        assert ns.tls_ca, f"service {name!r} needs --tls-ca to verify the services it calls (and its workers)"
+        assert not ns.insecure
+        assert Path(ns.tls_cert).name == "server.pem" and Path(ns.tls_key).name == "server-key.pem"
+
+
+def test_no_insecure_anywhere(compose):
+    def strings(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield str(k)
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+        elif x is not None:
+            yield str(x)
+
+    for s in strings(compose):
+        assert "--insecure" not in s and "RESHARD_INSECURE" not in s, f"the compose file runs insecure: {s!r}"
+
+
+def test_clients_use_tls_and_the_operator_token(clients):
+    for name, (_, ns) in clients.items():
+        assert ns.tls_ca, f"{name}: no --tls-ca (plaintext to a TLS service)"
+        assert ns.token_file and Path(ns.token_file).name == "operator.token", f"{name}: needs the operator token"
+
+
+def test_credential_files_are_the_ones_certs_writes_in_a_volume_the_service_mounts(services, parsed, clients, certs_out):
+    volume, folder = certs_out
+    users = [(name, name, parsed[name]) for name in services if name != "certs"]
+    users += [(name, svc, ns) for name, (svc, ns) in clients.items() if name != "update"]
+    for name, service, ns in users:
+        for flag in PATH_FLAGS:
+            path = getattr(ns, flag, None)
+            if not path:
+                continue
+            source, rel = in_volume(service, services[service], path)
+            assert source == volume, f"{name}: --{flag.replace('_', '-')} {path} is not in the certs volume"
+            if flag == "tokens_dir":
+                assert rel.rstrip("/") == folder, f"{name}: --tokens-dir {path} is not the folder certs writes"
+            else:
+                assert str(Path(rel).parent) == (folder or ".") and Path(rel).name in certs_cmd.FILES, \
+                    f"{name}: --{flag.replace('_', '-')} {path} is not a file `reshard certs` writes " \
+                    f"({', '.join(certs_cmd.FILES)})"
+        if service != "certs" and any(getattr(ns, f, None) for f in PATH_FLAGS):
+            assert all(ro for src, ro in volume_mounts(service, services[service]).values() if src == volume), \
+                f"service {service!r} should mount the certs volume read-only"
+
+
+def test_the_commands_the_comments_show_are_accepted():
+    # `docker compose exec SERVICE reshard ARGS`, `docker compose run --rm SERVICE ARGS` (the image's
+    # entrypoint is reshard) and `reshard ARGS` lines in the comments: an operator copies them.
+    shown = []
+    for line in COMPOSE.read_text().splitlines():
+        m = re.match(r"#\s+(?:docker compose (?:exec \w+ reshard|run --rm \w+)|reshard) ([a-z].*)$", line)
+        if m:
+            shown.append(m.group(1).split("  #")[0])
+    assert len(shown) >= 4, shown  # the status examples and the in-place rotation
+    for cmd in shown:
+        parse_command(f"comment `{cmd}`", shlex.split(cmd))
+
+
+def container_path(tmp: Path, certs_out: tuple[str, str], service: str, svc: dict, path: str) -> str:
+    """Where a container path in the certs volume lies once `reshard certs` wrote its folder into tmp."""
+    return os.path.normpath(tmp / os.path.relpath(in_volume(service, svc, path)[1] or ".", certs_out[1] or "."))
+
+
+def run_certs(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli_main(argv)
+    return rc, capsys.readouterr().err
+
+
+def test_the_certs_command_issues_private_files_and_keeps_them(tmp_path, services, parsed, capsys):
+    """The certs service's own command, run for real into a folder (nothing else starts): every file,
+    keys and tokens 0600, a server certificate for every --host with server and client use; a second
+    run keeps them byte for byte; a partial set is refused, never completed."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    argv = list(services["certs"]["command"])
+    argv[argv.index("--out") + 1] = str(tmp_path)
+    rc, err = run_certs(argv, capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(certs_cmd.FILES)
+    for f in certs_cmd.FILES:
+        mode = (tmp_path / f).stat().st_mode & 0o777
+        if f in PRIVATE:
+            assert mode == 0o600, f"{f} has mode {mode:o}"
+        else:
+            assert mode & 0o022 == 0, f"{f} has mode {mode:o}"
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = {*san.get_values_for_type(x509.DNSName), *(str(i) for i in san.get_values_for_type(x509.IPAddress))}
+    assert set(parsed["certs"].host) <= names
+    eku = set(server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= eku  # the trainer's client certificate too
+
+    before = {f: (tmp_path / f).read_bytes() for f in certs_cmd.FILES}
+    rc, err = run_certs(argv, capsys)  # a restart
+    assert rc == 0, err
+    assert {f: (tmp_path / f).read_bytes() for f in certs_cmd.FILES} == before
+
+    (tmp_path / "peer.token").unlink()  # a partial set: refused, nothing written
+    rc, err = run_certs(argv, capsys)
+    assert rc == 2 and "peer.token" in err and "partial" in err
+    assert not (tmp_path / "peer.token").exists()
+    assert {f: (tmp_path / f).read_bytes() for f in certs_cmd.FILES if f != "peer.token"} == \
+        {f: v for f, v in before.items() if f != "peer.token"}
+
+    (tmp_path / "operator.token").chmod(0o644)
+    forced = [a for a in argv if a != "--keep-existing"] + ["--force"]
+    rc, err = run_certs(forced, capsys)  # the documented rotation in place
+    assert rc == 0, err
+    assert (tmp_path / "peer.token").exists() and (tmp_path / "ca.pem").read_bytes() != before["ca.pem"]
+    assert all((tmp_path / f).stat().st_mode & 0o777 == 0o600 for f in PRIVATE)
+
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):  # one or the other
+        build_parser().parse_args([*argv, "--force"])
+
+
+def test_certs_keeps_a_set_issued_for_other_names_but_says_so(tmp_path, capsys):
+    pytest.importorskip("cryptography")
+    assert run_certs(["certs", "--out", str(tmp_path), "--host", "localhost"], capsys)[0] == 0
+    rc, err = run_certs(["certs", "--out", str(tmp_path), "--keep-existing", "--host", "localhost", "--host", "trainer"], capsys)
+    assert rc == 0 and "not valid for trainer" in err
+
+
+def test_the_services_credentials_fit_together(tmp_path, services, parsed, clients, certs_out, monkeypatch, capsys):
+    """With the files `reshard certs` writes, the credentials each container builds from its flags:
+    the servers may listen off loopback, the trainer sends inference a peer token inference accepts,
+    and update and the health checks send an operator token both services accept."""
+    pytest.importorskip("cryptography")
+    for k in _ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    argv = list(services["certs"]["command"])
+    argv[argv.index("--out") + 1] = str(tmp_path)
+    assert run_certs(argv, capsys)[0] == 0
+    token = {f.split(".")[0]: (tmp_path / f).read_text().strip() for f in certs_cmd.FILES if f.endswith(".token")}
+
+    def security(service: str, ns) -> Security:
+        kw = {"cert": "tls_cert", "key": "tls_key", "ca": "tls_ca", "token_file": "token_file", "tokens_dir": "tokens_dir"}
+        return Security.from_env(**{k: container_path(tmp_path, certs_out, service, services[service], getattr(ns, a))
+                                    for k, a in kw.items() if getattr(ns, a, None)})
+
+    sec = {name: security(name, parsed[name]) for name in SERVERS}
+    for name in SERVERS:
+        sec[name].check_listen(parse_address(parsed[name].listen)[0], name)  # no --insecure needed
+    assert sec["trainer"].token("peer") == token["peer"]
+    assert "peer" in AuthInterceptor(sec["inference"].tokens).roles_of(sec["trainer"].token("peer"))
+    for name, (service, ns) in clients.items():
+        client = security(service, ns)
+        sent = client.token("operator")
+        assert sent == token["operator"], name
+        for server in SERVERS:
+            assert "operator" in AuthInterceptor(sec[server].tokens).roles_of(sent), (name, server)
 
 
 def test_update_runs_once_by_default(services):
@@ -182,11 +425,22 @@ def test_dockerfile():
     assert {"TORCH_SPEC", "PIP_EXTRA_ARGS", "WITH_NCCL"} <= args
     runs = " ; ".join(by["RUN"])
     assert re.search(r"pip install \$\{?PIP_EXTRA_ARGS\}? \"?\$\{?TORCH_SPEC", runs), "torch is not installed from TORCH_SPEC"
-    assert re.search(r"pip install \.(\s|;|$)", runs), "the project is not installed (pip install .)"
-    assert 'pip install ".[nccl]"' in runs
+    # the project with the tls extra (cryptography: the compose file's `reshard certs`), and nccl on request
+    assert 'pip install ".[tls]"' in runs, "the project is not installed with its tls extra"
+    assert 'pip install ".[nccl,tls]"' in runs
     # torch comes first, then the project, then the switch to a non-root user
     order = [i for i, (w, r) in enumerate(ins) if w == "RUN" and "TORCH_SPEC" in r] + \
-            [i for i, (w, r) in enumerate(ins) if w == "RUN" and "pip install ." in r] + \
+            [i for i, (w, r) in enumerate(ins) if w == "RUN" and 'pip install ".[' in r] + \
             [i for i, (w, _) in enumerate(ins) if w == "USER"]
     assert len(order) == 3 and order == sorted(order)
     assert by["USER"][-1] not in ("root", "0")
+
+
+def test_dockerfile_prepares_the_certs_folder_for_its_user(parsed):
+    # A new named volume takes the owner of the image's folder at its mount point; without one the
+    # folder would be root's and `reshard certs`, running as the image's user, could not write it.
+    user = [r for w, r in dockerfile_instructions() if w == "USER"][-1]
+    out = parsed["certs"].out.rstrip("/")
+    runs = [r for w, r in dockerfile_instructions() if w == "RUN" and out in r.split()]
+    assert any(re.search(rf"install -d (.* )?-o {user}\b", r) or re.search(rf"chown (-R )?{user}\b", r) for r in runs), \
+        f"the Dockerfile does not create {out} owned by {user}"

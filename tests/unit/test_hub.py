@@ -42,3 +42,43 @@ def test_a_controller_that_was_frozen_does_not_blame_its_workers():
         return conn.stale, stale
 
     assert asyncio.run(go()) == (False, [])
+
+
+def test_a_hello_for_a_rank_whose_worker_lives_is_refused_not_swapped_in():
+    """External workers (no supervisor): a second process's hello for a live rank is refused with
+    ALREADY_EXISTS and the live worker stays; the same process attaching again replaces its stream."""
+    import grpc
+    import pytest
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def __init__(self):
+            self.code = None
+
+        async def abort(self, code, details):
+            self.code = code
+            raise Aborted(details)
+
+        async def send_initial_metadata(self, md):
+            pass
+
+    async def stream(pid):
+        yield wpb.WorkerMessage(hello=wpb.Hello(rank=0, world=1, pid=pid, role="inference"))
+        await asyncio.sleep(3600)
+
+    async def go():
+        hub, conn = _hub()
+        ctx = Context()
+        with pytest.raises(Aborted, match="held by live worker pid 1234, not pid 999"):
+            await hub.Attach(stream(999), ctx).__anext__()
+        assert ctx.code == grpc.StatusCode.ALREADY_EXISTS and hub.workers[0] is conn and conn.alive
+        again = hub.Attach(stream(1234), Context())
+        task = asyncio.get_running_loop().create_task(again.__anext__())
+        await asyncio.sleep(0.1)
+        replaced = hub.workers[0] is not conn and not conn.alive
+        task.cancel()
+        return replaced
+
+    assert asyncio.run(go())

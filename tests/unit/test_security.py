@@ -72,21 +72,30 @@ def test_inconsistent_flags_are_refused(monkeypatch):
 
 
 def test_a_layout_that_inflates_past_the_limit_is_refused_before_it_takes_the_memory():
+    """The wire form declares its inflated size: above the limit it is refused before anything is
+    inflated; one that lies about its size is stopped at the size it declared."""
     import resource
     import zlib
 
-    from reshard.common.columns import WIRE_MAGIC
+    from reshard.common.columns import MAX_INFLATED, WIRE_MAGIC
     from reshard.common.layout import Layout, LayoutError
 
     z = zlib.compressobj(1)
     zero = bytes(64 << 20)
-    bomb = WIRE_MAGIC + b"".join(z.compress(zero) for _ in range(5)) + z.flush()  # 320 MiB of zeros in a few MB
-    assert len(bomb) < 8 << 20
+    stream = b"".join(z.compress(zero) for _ in range(5)) + z.flush()  # 320 MiB of zeros in a few MB
+    assert len(stream) < 8 << 20
+    honest = WIRE_MAGIC + (320 << 20).to_bytes(8, "little") + stream
+    lying = WIRE_MAGIC + (1 << 20).to_bytes(8, "little") + stream
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(LayoutError, match="inflates past 256 MiB"):
-        Layout.from_bytes(bomb)
+    with pytest.raises(LayoutError, match=f"declares {320 << 20} bytes inflated, over the limit of {MAX_INFLATED >> 20} MiB"):
+        Layout.from_bytes(honest)
+    with pytest.raises(LayoutError, match="inflates past the 1048576 bytes it declares"):
+        Layout.from_bytes(lying)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    assert grown_mib < 300, grown_mib  # about the limit, never the 320 MiB
+    print(f"peak RSS grew {grown_mib:.0f} MiB refusing a 320 MiB decompression bomb")
+    assert grown_mib < 64, grown_mib  # never the 320 MiB; not even the limit
+    with pytest.raises(LayoutError, match="older reshard version"):
+        Layout.from_bytes(b"RSL2c" + stream)
 
 
 def test_callers_timeouts_are_clamped_by_the_server():
