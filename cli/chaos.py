@@ -37,16 +37,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
+
+if TYPE_CHECKING:  # annotations only: importing this module does not import torch
+    import torch
 
 from reshard.common.faults import ACTIONS, PHASES, ROLES, Fault
 from reshard.common.layout import dtype_of
 from reshard.common.models import model_config
 from reshard.common.rpc import CHANNEL_OPTIONS
 from reshard.common.supervisor import module_command
-from reshard.common.synth import advance_box, init_box
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
@@ -152,6 +154,10 @@ class Weights:
         self._held: dict[str, tuple[int, torch.Tensor]] = {}
 
     def at(self, name: str, step: int) -> torch.Tensor:
+        import torch  # here, not at the top: every command's parser imports this module
+
+        from reshard.common.synth import advance_box, init_box
+
         spec = self.specs[name]
         zero = (0,) * len(spec.shape)
         held = self._held.get(name)
@@ -309,6 +315,8 @@ class Deployment:
         for chunk in self.stub("inference").Dump(pb.DumpRequest(tensor=name), timeout=30):
             first = first or chunk
             data += chunk.data
+        import torch
+
         t = torch.frombuffer(data, dtype=dtype_of(first.dtype)).view(list(first.shape)).clone()
         return t, (first.version.run, first.version.step)
 
@@ -323,7 +331,7 @@ class Deployment:
             if version is not None and held != version:
                 return f"{name} holds {_v(held)}, not {_v(version)}"
             step = 0 if held[0] == CHECKPOINT_RUN else held[1]
-            if not torch.equal(got, self.weights.at(name, step)):
+            if not got.equal(self.weights.at(name, step)):
                 return f"{name} at {_v(held)} differs from its regeneration"
         return ""
 

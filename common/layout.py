@@ -11,39 +11,44 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing this module does not import torch
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int32": torch.int32,
-    "int64": torch.int64,
+# The dtypes a layout may name, with their item sizes, in the order of their wire ids. The layout
+# algebra does not import torch: a client (`reshard status`) starts without it.
+DTYPE_SIZES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPES = tuple(DTYPE_SIZES)
 
 
 class LayoutError(ValueError):
     """A layout, or a pair of layouts, that cannot be used for an update."""
 
 
+def _known(name: str) -> str:
+    if name not in DTYPE_SIZES:
+        raise LayoutError(f"unknown dtype {name!r}; valid dtypes: {', '.join(DTYPES)}")
+    return name
+
+
 def dtype_of(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise LayoutError(f"unknown dtype {name!r}; valid dtypes: {', '.join(DTYPES)}") from None
+    import torch
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES[dtype]
+    return getattr(torch, _known(name))
 
 
 def itemsize(dtype: str) -> int:
-    return dtype_of(dtype).itemsize
+    return DTYPE_SIZES[_known(dtype)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from .columns import DTYPE_IDS, ClassCols, fit_width, layout_classes, pad_rows
-from .layout import DTYPES, Layout, LocalBuffer
+from .layout import DTYPE_SIZES, Layout, LocalBuffer
 
-ITEMSIZE = np.array([dt.itemsize for dt in DTYPES.values()], dtype=np.int64)
+ITEMSIZE = np.array(list(DTYPE_SIZES.values()), dtype=np.int64)
 
 
 def row_strides(size: np.ndarray, ndim: np.ndarray) -> np.ndarray:

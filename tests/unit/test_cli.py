@@ -75,3 +75,22 @@ def test_service_args_other_checks():
         service_args("trainer", "--listen", "127.0.0.1:1", "--layout", "framework=megatron,tp=2,pp=2", "--workers", "2")
     with pytest.raises(ValueError, match="at least 1"):
         service_args("inference", "--listen", "127.0.0.1:1", "--workers", "0")
+
+
+def test_the_client_commands_do_not_import_torch():
+    """`reshard status`, `update`, `attach`, `detach` (and so the container health check) start
+    without torch: each, run against a port nobody serves, fails fast with torch never imported."""
+    import subprocess
+    import sys
+
+    from reshard.common.supervisor import module_command
+
+    code = ("import sys\nfrom reshard.cli import main\n"
+            "for argv in ([\"status\", \"--trainer\", \"127.0.0.1:1\"], [\"update\", \"--trainer\", \"127.0.0.1:1\"],\n"
+            "             [\"attach\", \"--trainer\", \"127.0.0.1:1\", \"--inference\", \"127.0.0.1:2\"],\n"
+            "             [\"detach\", \"--trainer\", \"127.0.0.1:1\", \"--inference\", \"127.0.0.1:2\"]):\n"
+            "    assert main(argv + [\"--timeout\", \"0.5\"]) != 0\n"
+            "print(sorted(m for m in ('torch', 'reshard.common.synth', 'reshard.common.engine') if m in sys.modules))\n")
+    r = subprocess.run([*module_command("reshard.cli")[:-2], "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
