@@ -40,6 +40,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli ./cli
 COPY common ./common
+COPY tools ./tools
 COPY trainer_svc ./trainer_svc
 COPY inference_svc ./inference_svc
 COPY proto ./proto

@@ -34,7 +34,7 @@ TIMEOUT_S = 900.0
 
 
 def _configs(a) -> list[dict]:
-    from reshard.common.frameworks import model_spec, world_of
+    from reshard.common.models.frameworks import model_spec, world_of
 
     out = []
     for model in [s.strip() for s in a.sizes.split(",") if s.strip()]:
@@ -66,8 +66,8 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
     from the first rank leaving a barrier to the last rank finishing, as the bench times a run."""
     import torch
 
-    from reshard.common import bench_methods as bm
-    from reshard.common.transport import GlooTransport
+    from reshard.common.dataplane.transport import GlooTransport
+    from reshard.tools import bench_methods as bm
 
     t = GlooTransport(host, port, f"{nonce}-calib", g, world, TIMEOUT_S)
     ctl = _control_group(host, port, f"bench/{nonce}/calib-ctl", g, world)
@@ -142,7 +142,7 @@ def _sync_probes(t, g: int, S: int, D: int, steps: int, deadline: float, buf) ->
     callables for rank g: an update's start (one round of `_BURST_BYTES` per pair, from `buf`,
     allocated and touched by the caller), `steps` rounds of tiny messages, `steps` broadcast
     windows of tiny boxes."""
-    from reshard.common import bench_methods as bm
+    from reshard.tools import bench_methods as bm
 
     src, dst = range(S), range(S, S + D)
     return {"start": lambda: bm.round_trip_rounds(t, g, src, dst, 1, deadline, _BURST_BYTES, buf),
@@ -173,7 +173,7 @@ def _probe(t, ctl, g: int, S: int, D: int, key: tuple, rep: int, bufs, q) -> Non
     and streams for one pair and for the layout's concurrency. The layout's prediction uses
     these, so that whatever else loads the machine while the layout runs loads its calibration
     too. Nothing of the layout's own runs goes into them."""
-    from reshard.common import bench_methods as bm
+    from reshard.tools import bench_methods as bm
 
     deadline = time.monotonic() + TIMEOUT_S
     pairs = max(1, (S + D) // 2)
@@ -197,7 +197,7 @@ def calibration(raw: dict, spans: list[tuple], shapes: list[tuple[int, int]],
     `layouts`: layout pair index -> (S, D), for the probes taken in its repeats.
     `busy_rates`: copy and checksum rates measured with every core busy, one per process; their
     median replaces rank 0's rate alone, which is kept under `alone`."""
-    from reshard.common.simulate import Phase, phase_time
+    from reshard.tools.simulate import Phase, phase_time
 
     layouts = layouts or {}
     by: dict[tuple, dict[int, list[float]]] = {}
@@ -261,10 +261,10 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
         # One intra-op thread per rank, as the standalone workers run: with several ranks per core,
         # torch's thread pool turns every copy into contention (50x slower packing here).
         torch.set_num_threads(1)
-        from reshard.common import bench_methods as bm
-        from reshard.common.frameworks import build
-        from reshard.common.planner import PlanOptions, make_plan
-        from reshard.common.transport import GlooTransport
+        from reshard.common.dataplane.transport import GlooTransport
+        from reshard.common.models.frameworks import build
+        from reshard.common.plan.planner import PlanOptions, make_plan
+        from reshard.tools import bench_methods as bm
 
         _calibrate(g, world, host, port, nonce, opts["shapes"], opts["quick"], q)
         # Touched once and reused by the stream probes in a layout's repeats.
@@ -345,7 +345,7 @@ def _local_cluster(cal: dict, S: int, D: int, ci: int | None = None):
 
 def _cluster(cal: dict, shape: dict, pair: float):
     """The local profile: this machine's rates and steps (`shape`: one layout shape's), one pair at `pair` GB/s."""
-    from reshard.common.simulate import Cluster
+    from reshard.tools.simulate import Cluster
 
     return Cluster(name="local", gpus_per_node=max(1, cal["ranks"]), nvlink_gbps=pair,
                    nic_gbps=pair, latency_s=cal["latency_s"], copy_gbps=cal["copy_gbps"],
@@ -358,10 +358,10 @@ def predictions(cfg: dict, cal: dict, bucket_bytes: int, ci: int | None = None) 
     """The local profile's predictions for one layout pair, per method (seconds)."""
     from collections import defaultdict
 
-    from reshard.common.bench_methods import owner_broadcast_windows
-    from reshard.common.frameworks import build
-    from reshard.common.planner import PlanOptions, make_plan
-    from reshard.common.simulate import owner_broadcast_traffic, plan_traffic, predict, serialized_traffic
+    from reshard.common.models.frameworks import build
+    from reshard.common.plan.planner import PlanOptions, make_plan
+    from reshard.tools.bench_methods import owner_broadcast_windows
+    from reshard.tools.simulate import owner_broadcast_traffic, plan_traffic, predict, serialized_traffic
 
     src, dst = build(cfg["model"], cfg["src"]), build(cfg["model"], cfg["dst"])
     S, D = src.world, dst.world
@@ -412,8 +412,8 @@ def run_bench(a) -> int:
 
     from torch.distributed import TCPStore
 
-    from reshard.common.bench_methods import METHODS
-    from reshard.common.frameworks import model_spec
+    from reshard.common.models.frameworks import model_spec
+    from reshard.tools.bench_methods import METHODS
 
     if a.quick:
         a.sizes, a.dst_ranks, a.repeats, a.min_seconds = "tiny", "2", min(a.repeats, 1), 0.0
@@ -544,8 +544,8 @@ def _calibration_line(cal: dict, sep: str = "; ") -> str:
 
 
 def _summarize(configs, runs, cal, a, say) -> dict:
-    from reshard.common.bench_methods import METHODS
-    from reshard.common.frameworks import model_spec
+    from reshard.common.models.frameworks import model_spec
+    from reshard.tools.bench_methods import METHODS
 
     out_cfgs = []
     all_ok = True

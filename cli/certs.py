@@ -19,7 +19,7 @@ import os
 import secrets
 import sys
 
-from reshard.common.security import ROLES
+from reshard.common.control.security import ROLES
 
 FILES = ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem", *(f"{r}.token" for r in ROLES))
 

@@ -2,13 +2,13 @@
 
 Starts a deployment on 127.0.0.1 as real processes: an inference controller and a trainer
 controller, each with standalone workers. Each cycle arms one random fault (role, phase, kill
-or freeze) through the fault hook (common/faults.py: every process reads a control file at each
+or freeze) through the fault hook (common/control/faults.py: every process reads a control file at each
 phase, so nothing is restarted to arm it) and triggers an update. A frozen process is resumed
 after `--freeze` seconds; a killed controller is re-run with its command line, as an operator
 would (killed workers are restarted by their controller). Once the deployment is whole again
 the next update is triggered and must commit, and the weights served are read back (the Dump
 RPC) and compared bit for bit with an independent regeneration of the synthetic weights at the
-version served (common/synth.py).
+version served (tools/synth.py).
 
 A monitor polls both controllers all along and records a served or committed version that goes
 backwards, and a torn version: the deployment reporting SERVING while its serving ranks hold
@@ -44,17 +44,17 @@ import grpc
 if TYPE_CHECKING:  # annotations only: importing this module does not import torch
     import torch
 
-from reshard.common.faults import ACTIONS, PHASES, ROLES, Fault
-from reshard.common.layout import dtype_of
-from reshard.common.models import model_config
-from reshard.common.rpc import CHANNEL_OPTIONS
-from reshard.common.supervisor import module_command
+from reshard.common.control.faults import ACTIONS, PHASES, ROLES, Fault
+from reshard.common.control.rpc import CHANNEL_OPTIONS
+from reshard.common.control.supervisor import module_command
+from reshard.common.layout.core import dtype_of
+from reshard.common.models.presets import model_config
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
 CONTROLLERS = ("trainer", "inference")
 # The trainer reaches a restarted inference controller within its channel's longest reconnect
-# backoff (common/rpc.py), gRPC's jitter of 20% included; until then its calls there fail at once.
+# backoff (common/control/rpc.py), gRPC's jitter of 20% included; until then its calls there fail at once.
 RECONNECT_S = dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000 * 1.2
 CHECKPOINT_RUN = "checkpoint"  # what standalone inference workers load at start (synthetic step 0)
 RUN = "chaos"
@@ -147,7 +147,7 @@ class Outcome:
 
 class Weights:
     """The synthetic weights at any step, regenerated here, independently of the services
-    (common/synth.py): each tensor is kept at the last step asked for and advanced from there."""
+    (tools/synth.py): each tensor is kept at the last step asked for and advanced from there."""
 
     def __init__(self, model: str, seed: int) -> None:
         self.specs, self.seed = model_config(model).tensors(), seed
@@ -156,7 +156,7 @@ class Weights:
     def at(self, name: str, step: int) -> torch.Tensor:
         import torch  # here, not at the top: every command's parser imports this module
 
-        from reshard.common.synth import advance_box, init_box
+        from reshard.tools.synth import advance_box, init_box
 
         spec = self.specs[name]
         zero = (0,) * len(spec.shape)

@@ -10,9 +10,9 @@ import sys
 
 import grpc
 
-from reshard.common.models import MODELS
-from reshard.common.rpc import Deadlines, channel, parse_address, status_error
-from reshard.common.security import FLAG_ENV, Security, SecurityError, current
+from reshard.common.control.rpc import Deadlines, channel, parse_address, status_error
+from reshard.common.control.security import FLAG_ENV, Security, SecurityError, current
+from reshard.common.models.presets import MODELS
 
 DEFAULT_MODEL = "llama-1g"
 
@@ -53,7 +53,7 @@ def apply_flags(a) -> Security:
 
 
 def _worker_address(v: str) -> str:
-    from reshard.common.rpc import parse_target
+    from reshard.common.control.rpc import parse_target
 
     try:
         parse_target(v, "worker listen address")
@@ -73,13 +73,13 @@ def _address(what: str):
 
 
 def _model_names() -> list[str]:
-    from reshard.common.frameworks import MODEL_SPECS
+    from reshard.common.models.frameworks import MODEL_SPECS
 
     return list(MODEL_SPECS)
 
 
 def _layout_spec(s: str) -> str:
-    from reshard.common.frameworks import parse_spec
+    from reshard.common.models.frameworks import parse_spec
 
     if s:
         try:
@@ -363,7 +363,7 @@ async def cmd_status(a) -> int:
 async def cmd_dump(a) -> int:
     import torch
 
-    from reshard.common.layout import dtype_of
+    from reshard.common.layout.core import dtype_of
     from reshard.proto import reshard_pb2 as pb
     from reshard.proto import reshard_pb2_grpc as rgrpc
 
@@ -389,7 +389,7 @@ async def cmd_dump(a) -> int:
 def check_service_args(a) -> None:
     """What argparse alone cannot check in `reshard inference|trainer`; fills in --workers.
     Raises ValueError saying what to change."""
-    from reshard.common.frameworks import world_of
+    from reshard.common.models.frameworks import world_of
 
     if not a.external_workers and a.model not in MODELS:
         raise ValueError(f"--model {a.model!r} is not a built-in model: standalone workers take one of "
@@ -402,7 +402,7 @@ def check_service_args(a) -> None:
     if layout_world is not None and layout_world != a.workers:
         raise ValueError(f"--layout {a.layout} has {layout_world} ranks but --workers is {a.workers}")
     if a.device != "cpu" and not a.external_workers:
-        from reshard.common.backend import worker_device
+        from reshard.common.dataplane.backend import worker_device
 
         try:
             worker_device(a.device, 0)  # the standalone workers run on this host
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(a)
     if a.command in ("bench", "simulate", "chaos", "certs"):
         return a._main(a)
-    from reshard.common.rpc import new_event_loop
+    from reshard.common.control.rpc import new_event_loop
 
     fn = {"update": cmd_update, "status": cmd_status, "dump": cmd_dump, "attach": cmd_attach, "detach": cmd_attach}[a.command]
     loop = new_event_loop()

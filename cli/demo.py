@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from reshard.common.models import model_config
+from reshard.common.models.presets import model_config
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ def collect() -> dict:
     import torch
     import torch.distributed as dist
 
-    from reshard.common.nccl import NcclUnavailable, current_choice, load_library
+    from reshard.common.dataplane.nccl import NcclUnavailable, current_choice, load_library
 
     info: dict = {
         "python": platform.python_version(),

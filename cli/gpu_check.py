@@ -89,10 +89,10 @@ def _pack_columns(dev) -> dict:
 
 
 def section_pack(dev, copy_gbps: float | None) -> dict:
-    from reshard.common.engine import StagingPool, pack, unpack
-    from reshard.common.frameworks import build
-    from reshard.common.layout import dtype_of
-    from reshard.common.planner import PlanOptions, make_plan
+    from reshard.common.dataplane.engine import StagingPool, pack, unpack
+    from reshard.common.layout.core import dtype_of
+    from reshard.common.models.frameworks import build
+    from reshard.common.plan.planner import PlanOptions, make_plan
 
     out: dict = {"columns": _pack_columns(dev)}
     # The demo's layout pair: Megatron TP=2 -> vLLM TP=4 on llama-1g; trainer rank 0's staged messages.
@@ -119,8 +119,8 @@ def section_pack(dev, copy_gbps: float | None) -> dict:
 
 
 def section_nccl_self(dev) -> dict:
-    from reshard.common.nccl import load_library
-    from reshard.common.nccl_transport import NcclTransport
+    from reshard.common.dataplane.nccl import load_library
+    from reshard.common.dataplane.nccl_transport import NcclTransport
 
     lib = load_library()
     free0 = torch.cuda.mem_get_info(dev)[0]
@@ -162,9 +162,9 @@ def section_nccl_self(dev) -> dict:
 
 
 def section_abort(dev) -> dict:
-    from reshard.common.nccl import load_library
-    from reshard.common.nccl_transport import NcclTransport
-    from reshard.common.transport import TransportError
+    from reshard.common.dataplane.nccl import load_library
+    from reshard.common.dataplane.nccl_transport import NcclTransport
+    from reshard.common.dataplane.transport import TransportError
 
     lib = load_library()
     deadline = 5.0
@@ -179,8 +179,8 @@ def section_abort(dev) -> dict:
 
 
 def _ipc_layouts():
-    from reshard.common.frameworks import build
-    from reshard.common.planner import PlanOptions, make_plan
+    from reshard.common.models.frameworks import build
+    from reshard.common.plan.planner import PlanOptions, make_plan
 
     model = "medium"
     src, dst = build(model, "framework=megatron,tp=1"), build(model, "framework=vllm,tp=2")
@@ -188,8 +188,8 @@ def _ipc_layouts():
 
 
 def _fill_src(src, dev) -> dict:
-    from reshard.common.layout import dtype_of
-    from reshard.common.synth import init_box
+    from reshard.common.layout.core import dtype_of
+    from reshard.tools.synth import init_box
 
     bufs = {}
     for b in src.ranks[0]:
@@ -201,13 +201,13 @@ def _fill_src(src, dev) -> dict:
 
 
 def section_ipc(dev) -> dict:
-    from reshard.common.cuda_ipc import export_tensor
+    from reshard.common.dataplane.cuda_ipc import export_tensor
 
     model, src, dst, plan = _ipc_layouts()
     bufs = _fill_src(src, dev)
     handles = [export_tensor(t, n) for n, t in bufs.items()]
     try:
-        from reshard.common.cuda_ipc import export_buffers, import_buffers  # noqa: F401  (the protobuf form)
+        from reshard.common.dataplane.cuda_ipc import export_buffers, import_buffers  # noqa: F401  (the protobuf form)
 
         proto = export_buffers(bufs)
     except ImportError:
@@ -226,9 +226,9 @@ def section_ipc(dev) -> dict:
 def ipc_child() -> int:
     """The importing process: map the parent's trainer buffers, run both vLLM ranks' share of the
     plan from them, verify every piece against independently generated values."""
-    from reshard.common.cuda_ipc import import_buffers, import_tensor, run_plan_from_peers
-    from reshard.common.layout import dtype_of
-    from reshard.common.synth import init_box
+    from reshard.common.dataplane.cuda_ipc import import_buffers, import_tensor, run_plan_from_peers
+    from reshard.common.layout.core import dtype_of
+    from reshard.tools.synth import init_box
 
     msg = pickle.loads(base64.b64decode(sys.stdin.read()))
     dev = torch.device(msg["device"])
@@ -269,8 +269,8 @@ def ipc_child() -> int:
 
 
 def section_memory(dev, nccl_self: dict | None) -> dict:
-    from reshard.common.frameworks import build
-    from reshard.common.layout import dtype_of
+    from reshard.common.layout.core import dtype_of
+    from reshard.common.models.frameworks import build
     from reshard.inference_svc.worker import InferenceWorker
     from reshard.trainer_svc.worker import TrainerWorker
 

@@ -10,11 +10,13 @@ import sys
 import threading
 import time
 
+from reshard.common.layout.wire import layout_bytes, layout_fingerprint
+
 
 def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0, relay: bool = True) -> dict:
     """Build the two layouts, then time the complete plan (every rank's transfers) cold, in this process."""
-    from reshard.common.frameworks import build, model_spec
-    from reshard.common.planner import PlanOptions, make_plan
+    from reshard.common.models.frameworks import build, model_spec
+    from reshard.common.plan.planner import PlanOptions, make_plan
 
     m = model_spec(model)
     t0 = time.perf_counter()
@@ -59,18 +61,18 @@ def plan_figures(model: str, src_spec: str, dst_spec: str, bucket_bytes: int = 0
 
 def control_figures(plan, src, dst) -> dict:
     """Control-plane bytes of one update of this pair, from the messages the services build (the
-    verification arrays by `common.verify`'s builders, the layouts by `Layout.to_bytes`), with
+    verification arrays by `common.plan.verify`'s builders, the layouts by `layout_bytes`), with
     realistic values in the fixed-size fields. A steady update names layouts by fingerprint; the
     first one (or the first after a membership change) carries them once per worker stream."""
     import numpy as np
 
-    from reshard.common import verify
+    from reshard.common.plan import verify
     from reshard.proto import reshard_pb2 as pb
     from reshard.proto import worker_pb2 as wpb
 
     S, D = plan.src_world, plan.dst_world
-    sfp, dfp = src.fingerprint(), dst.fingerprint()
-    src_bytes, dst_bytes = src.to_bytes(), dst.to_bytes()
+    sfp, dfp = layout_fingerprint(src), layout_fingerprint(dst)
+    src_bytes, dst_bytes = layout_bytes(src), layout_bytes(dst)
     uid, version = "0123456789ab", pb.Version(run="run-2026-12-03T12-00-00", step=123456)
     session = pb.Session(id=uid, store_host="10.20.30.40", store_port=29500, src_world=S, dst_world=D, transport="nccl",
                          nccl_unique_id=bytes(128))

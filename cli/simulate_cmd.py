@@ -1,5 +1,5 @@
 """`reshard simulate`: predicted update times of a layout pair on a modelled cluster, from the
-real planner's plan (see common/simulate.py for the model)."""
+real planner's plan (see tools/simulate.py for the model)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from reshard.common.simulate import CLUSTERS, PRESETS
+    from reshard.tools.simulate import CLUSTERS, PRESETS
 
     p = sub.add_parser("simulate", help="predict update times on a modelled cluster from the real plan")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a published setup: model, layouts, hardware, wire dtype")
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def main(a) -> int:
-    from reshard.common.simulate import cluster_by_name, preset_by_name, simulate
+    from reshard.tools.simulate import cluster_by_name, preset_by_name, simulate
 
     preset = preset_by_name(a.preset) if a.preset else None
     if preset is None and not (a.model and a.src and a.dst):

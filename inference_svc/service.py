@@ -14,13 +14,15 @@ import uuid
 
 import grpc
 
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, serve_controller
-from reshard.common.layout import Layout, LayoutError, dtype_of
-from reshard.common import faults, verify
-from reshard.common.planner import Plan, PlanOptions, make_plan
-from reshard.common.security import current as current_security
-from reshard.common.rpc import Deadlines, clamp_timeout, keep_task, run_main
-from reshard.common.supervisor import module_command
+from reshard.common.control import faults
+from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, serve_controller
+from reshard.common.control.rpc import Deadlines, clamp_timeout, keep_task, run_main
+from reshard.common.control.security import current as current_security
+from reshard.common.control.supervisor import module_command
+from reshard.common.layout.core import Layout, LayoutError, dtype_of
+from reshard.common.layout.wire import layout_fingerprint, layout_from_bytes
+from reshard.common.plan import verify
+from reshard.common.plan.planner import Plan, PlanOptions, make_plan
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -95,7 +97,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             return self._sources[fp]
         if not req.src_layout:
             raise _UnknownSource(f"source layout {fp or '(no fingerprint)'} is not held here: send it")
-        src = await asyncio.get_running_loop().run_in_executor(None, Layout.from_bytes, req.src_layout)
+        src = await asyncio.get_running_loop().run_in_executor(None, layout_from_bytes, req.src_layout)
         if fp:
             self._sources[fp] = (src, req.src_layout)
             while len(self._sources) > 4:
@@ -104,7 +106,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     async def _plan(self, src: Layout, dst: Layout, req: pb.BeginUpdateRequest) -> Plan:
         """The update's plan, kept per (layouts, bucket, tensors): planned off the loop, once."""
-        key = (src.fingerprint(), dst.fingerprint(), req.bucket_bytes, tuple(sorted(req.tensors)))
+        key = (layout_fingerprint(src), layout_fingerprint(dst), req.bucket_bytes, tuple(sorted(req.tensors)))
         plan = self._plans.pop(key, None)
         if plan is None:
             opts = PlanOptions(bucket_bytes=req.bucket_bytes) if req.bucket_bytes else PlanOptions()
@@ -284,7 +286,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.requests_at_start = sum(w.requests_served for w in self.hub.alive())
                 prep = wpb.Prepare(update_id=u.id, version=req.version, plan_digest=plan.digest, session=req.session,
                                    timeout_s=req.timeout_s, mode=u.mode, bucket_bytes=req.bucket_bytes, tensors=req.tensors,
-                                   src_fingerprint=src.fingerprint(), dst_fingerprint=dst_fp)
+                                   src_fingerprint=layout_fingerprint(src), dst_fingerprint=dst_fp)
                 await self.hub.prepare_all(max(self.deadlines.rpc_s, u.deadline - time.monotonic()), prep,
                                            {prep.src_fingerprint: src_bytes, dst_fp: dst_bytes})
                 u.phase = "TRANSFER"
@@ -602,7 +604,7 @@ def _dump_regions(shape: tuple[int, ...], itemsize: int, limit: int = DUMP_REGIO
     import itertools
     import math
 
-    from reshard.common.layout import Box
+    from reshard.common.layout.core import Box
 
     if math.prod(shape) == 0:
         return
@@ -631,7 +633,7 @@ def _dump_plans(layout: Layout, conns: list[WorkerConn], tensor: str, rank: int 
     no holder has."""
     import torch
 
-    from reshard.common.layout import Box
+    from reshard.common.layout.core import Box
 
     spec = layout.tensors[tensor]
     if len(conns) == layout.world:
@@ -677,7 +679,7 @@ def _place(pieces: list[wpb.ReadPiece], region, reg, cv, dtype) -> list[pb.Versi
 
     import torch
 
-    from reshard.common.layout import Box, flat_range_to_boxes
+    from reshard.common.layout.core import Box, flat_range_to_boxes
 
     size_of = torch.empty((), dtype=dtype).element_size()
     versions = []

@@ -15,12 +15,12 @@ import threading
 
 import torch
 
-from reshard.common.backend import worker_device
-from reshard.common.frameworks import build
-from reshard.common.layout import dtype_of
-from reshard.common.supervisor import watch_controller
-from reshard.common.synth import init_box
+from reshard.common.control.supervisor import watch_controller
+from reshard.common.dataplane.backend import worker_device
+from reshard.common.layout.core import dtype_of
+from reshard.common.models.frameworks import build
 from reshard.proto import reshard_pb2 as pb
+from reshard.tools.synth import init_box
 
 from .worker import InferenceWorker
 

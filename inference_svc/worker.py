@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from reshard.common import faults
-from reshard.common.checksum import box_checksum
-from reshard.common.layout import Box, LocalBuffer, TensorSpec, dtype_of
-from reshard.common.security import Security
-from reshard.common.verify import check_rank
-from reshard.common.worker import WorkerBase
+from reshard.common.control import faults
+from reshard.common.control.security import Security
+from reshard.common.control.worker import WorkerBase
+from reshard.common.dataplane.checksum import box_checksum
+from reshard.common.layout.core import Box, LocalBuffer, TensorSpec, dtype_of
+from reshard.common.plan.verify import check_rank
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 
@@ -31,7 +31,7 @@ log = logging.getLogger("reshard.inference")
 
 READ_CHUNK = 1 << 20  # bytes of one ReadPiece message: an intersection larger than this comes in several
 READ_LOCK_TIMEOUT = 5.0  # a read back waits at most this long for a commit's copy to end
-READ_RETRIES = 4  # copies of a region a read back makes while commits overlap it
+READ_RETRIES = 8  # copies of a region a read back makes while commits overlap it
 READ_WAIT_S = 0.002  # between looks at a commit in progress
 
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = {"reshard": "cli", "reshard.common": "common", "reshard.trainer_svc": "trainer_svc",
+PACKAGES = {"reshard": "cli", "reshard.common": "common", "reshard.tools": "tools", "reshard.trainer_svc": "trainer_svc",
             "reshard.inference_svc": "inference_svc", "reshard.proto": "proto"}
 
 

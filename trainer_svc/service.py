@@ -15,14 +15,16 @@ import uuid
 
 import grpc
 
-from reshard.common import faults, verify
-from reshard.common.backend import BACKENDS, BackendError, select_backend
-from reshard.common.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
-from reshard.common.layout import Layout, LayoutError
-from reshard.common.planner import PlanOptions, make_plan, select_tensors
-from reshard.common.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
-from reshard.common.supervisor import module_command
-from reshard.common.transport import serve_store
+from reshard.common.control import faults
+from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
+from reshard.common.control.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
+from reshard.common.control.supervisor import module_command
+from reshard.common.dataplane.backend import BACKENDS, BackendError, select_backend
+from reshard.common.dataplane.transport import serve_store
+from reshard.common.layout.core import Layout, LayoutError
+from reshard.common.layout.wire import layout_from_bytes
+from reshard.common.plan import verify
+from reshard.common.plan.planner import PlanOptions, make_plan, select_tensors
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -428,7 +430,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             if not lr.layout:
                 raise UpdateFailed(f"inference at {d.address} sent no layout for fingerprint {lr.fingerprint}")
             data = lr.layout
-            dst = await asyncio.get_running_loop().run_in_executor(None, Layout.from_bytes, data)
+            dst = await asyncio.get_running_loop().run_in_executor(None, layout_from_bytes, data)
             d.dst = (lr.fingerprint, dst, data)
         return d.dst
 

@@ -1,13 +1,13 @@
 """A standalone trainer worker holding a synthetic model (Megatron TP layout).
 
 When an update is triggered it takes a simulated optimizer step (every element
-changes by a pseudo-random amount, see common/synth.py) and publishes it."""
+changes by a pseudo-random amount, see tools/synth.py) and publishes it."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -15,12 +15,12 @@ import threading
 
 import torch
 
-from reshard.common.backend import worker_device
-from reshard.common.layout import dtype_of
-from reshard.common.supervisor import watch_controller
-from reshard.common.frameworks import build
-from reshard.common.synth import advance_box, init_box
+from reshard.common.control.supervisor import watch_controller
+from reshard.common.dataplane.backend import worker_device
+from reshard.common.layout.core import dtype_of
+from reshard.common.models.frameworks import build
 from reshard.proto import worker_pb2 as wpb
+from reshard.tools.synth import advance_box, init_box
 
 from .worker import TrainerWorker
 

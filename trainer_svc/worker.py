@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from reshard.common import faults
-from reshard.common.layout import LocalBuffer, TensorSpec
-from reshard.common.security import Security
-from reshard.common.worker import WorkerBase
+from reshard.common.control import faults
+from reshard.common.control.security import Security
+from reshard.common.control.worker import WorkerBase
+from reshard.common.layout.core import LocalBuffer, TensorSpec
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 

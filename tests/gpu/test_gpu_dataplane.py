@@ -8,20 +8,20 @@ import time
 import pytest
 import torch
 
-from reshard.common.backend import buffers_device
-from reshard.common.engine import Engine, StagingPool
-from reshard.common.frameworks import build
-from reshard.common.layout import dtype_of
-from reshard.common.planner import PlanOptions, make_plan
-from reshard.common.synth import init_box
-from reshard.common.transport import TransportError
+from reshard.common.dataplane.backend import buffers_device
+from reshard.common.dataplane.engine import Engine, StagingPool
+from reshard.common.dataplane.transport import TransportError
+from reshard.common.layout.core import dtype_of
+from reshard.common.models.frameworks import build
+from reshard.common.plan.planner import PlanOptions, make_plan
+from reshard.tools.synth import init_box
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
 def lib():
-    from reshard.common.nccl import NcclUnavailable, load_library
+    from reshard.common.dataplane.nccl import NcclUnavailable, load_library
 
     try:
         return load_library()
@@ -49,7 +49,7 @@ def _check(layout, rank, bufs):
 
 
 def test_self_send_recv(lib):
-    from reshard.common.nccl_transport import NcclTransport
+    from reshard.common.dataplane.nccl_transport import NcclTransport
 
     t = NcclTransport(lib.unique_id(), 0, 1, 30.0, device="cuda:0", session="self")
     a = torch.randint(0, 255, (10 << 20,), dtype=torch.uint8, device="cuda:0")
@@ -63,7 +63,7 @@ def test_self_send_recv(lib):
 
 
 def test_a_peer_that_never_joins_fails_at_the_deadline(lib):
-    from reshard.common.nccl_transport import NcclTransport
+    from reshard.common.dataplane.nccl_transport import NcclTransport
 
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="not done within 3.0s"):
@@ -90,7 +90,7 @@ def test_engine_on_device_buffers():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts one rank per GPU: needs two")
 def test_engine_over_nccl_two_gpus(lib):
-    from reshard.common.nccl_transport import NcclTransport
+    from reshard.common.dataplane.nccl_transport import NcclTransport
 
     src, dst = build("small", "framework=megatron,tp=1"), build("small", "framework=vllm,tp=1")
     plan = make_plan(src, dst, PlanOptions(bucket_bytes=1 << 16))

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from reshard.common.models import model_config
-from reshard.common.synth import tensor_value
+from reshard.common.models.presets import model_config
+from reshard.tools.synth import tensor_value
 
 CHECKPOINT_STEP = 0
 
@@ -30,7 +30,7 @@ def dump_rpc(addr: str, name: str, rank: int | None = None) -> tuple[torch.Tenso
     `reshard dump` calls, without starting a process that imports torch for every tensor)."""
     import grpc
 
-    from reshard.common.layout import dtype_of
+    from reshard.common.layout.core import dtype_of
     from reshard.proto import reshard_pb2 as pb
     from reshard.proto import reshard_pb2_grpc as rgrpc
 

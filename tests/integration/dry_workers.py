@@ -25,9 +25,9 @@ import time
 import numpy as np
 import torch
 
-from reshard.common.checksum import P
-from reshard.common.frameworks import build
-from reshard.common.layout import LayoutError, dtype_of
+from reshard.common.dataplane.checksum import P
+from reshard.common.layout.core import LayoutError, dtype_of
+from reshard.common.models.frameworks import build
 from reshard.inference_svc.worker import InferenceWorker
 from reshard.proto import reshard_pb2 as pb
 from reshard.trainer_svc.worker import TrainerWorker

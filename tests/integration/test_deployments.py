@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from reshard.common.frameworks import build
-from reshard.common.layout import dtype_of
+from reshard.common.layout.core import dtype_of
+from reshard.common.models.frameworks import build
 
 from .cluster import Cluster, cli, dump_rpc, free_port
 

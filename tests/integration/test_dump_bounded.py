@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from reshard.common.layout import dtype_of
+from reshard.common.layout.core import dtype_of
 from reshard.inference_svc.service import DUMP_REGION_BYTES, MAX_CONCURRENT_DUMPS
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -188,7 +188,7 @@ def test_a_read_back_takes_no_serving_lock_and_is_never_torn_by_a_commit():
     region read while commits copy other values into the live weights is always one version's."""
     import numpy as np
 
-    from reshard.common.layout import Box, LocalBuffer, Piece, TensorSpec
+    from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
     from reshard.inference_svc.worker import InferenceWorker
     from reshard.proto import worker_pb2 as wpb
 
@@ -222,7 +222,7 @@ def test_a_read_back_takes_no_serving_lock_and_is_never_torn_by_a_commit():
                 steps.append(steps[-1] + 1)
                 w.shadow["w"].fill_(float(steps[-1]))
                 w._commit(pb.Version(run="r", step=steps[-1]))
-                time.sleep(0.001)
+                time.sleep(0.005)  # back to back, far more often than any trainer commits
 
         t = threading.Thread(target=commits)
         t.start()

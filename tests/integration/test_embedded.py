@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from reshard.common.models import megatron_layout, model_config, vllm_layout
-from reshard.common.synth import tensor_value
+from reshard.common.models.presets import megatron_layout, model_config, vllm_layout
 from reshard.inference_svc.worker import InferenceWorker
+from reshard.tools.synth import tensor_value
 from reshard.trainer_svc.worker import TrainerWorker
 
 from .cluster import cli, free_port, stop_processes

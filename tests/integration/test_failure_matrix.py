@@ -1,5 +1,5 @@
 """The failure matrix (issue 11): each process role x each phase of an update x {SIGKILL, SIGSTOP
-then SIGCONT}, struck at that phase through the fault hook (common/faults.py, whose table says
+then SIGCONT}, struck at that phase through the fault hook (common/control/faults.py, whose table says
 where each cell strikes), on real services in real processes.
 
 In every cell: the faulted update's outcome comes within its deadlines (no hang); the process
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from reshard.chaos import Deployment, Monitor, Settings, run_cycle
-from reshard.common.faults import PHASES, Fault
-from reshard.common.models import model_config
-from reshard.common.synth import tensor_value
+from reshard.common.control.faults import PHASES, Fault
+from reshard.common.models.presets import model_config
+from reshard.tools.synth import tensor_value
 
 from .cluster import dump_rpc, live_members
 

@@ -4,7 +4,7 @@ with `reshard dump` against the test's own regeneration of the weights."""
 import pytest
 import torch
 
-from reshard.common.frameworks import model_spec
+from reshard.common.models.frameworks import model_spec
 
 from .cluster import Cluster
 
@@ -49,7 +49,7 @@ def test_layout_pair_end_to_end(model, src, dst, bucket):
 def test_fp32_master_weights_cast_on_the_sender():
     """A declared cast end to end: the trainer holds float32 masters (its own optimizer
     trajectory), inference receives bfloat16 = the masters rounded, verified by checksums."""
-    from reshard.common.synth import tensor_value
+    from reshard.tools.synth import tensor_value
 
     c = Cluster("small", trainer_args=("--master-dtype", "float32"))
     try:

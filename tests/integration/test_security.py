@@ -1,5 +1,5 @@
 """TLS, bearer tokens by role, and the listen rule, on real services in real processes
-(common/security.py)."""
+(common/control/security.py)."""
 
 import collections
 import json
@@ -13,8 +13,8 @@ import grpc
 import pytest
 from google.protobuf.message_factory import GetMessageClass
 
-from reshard.common.security import METHOD_ROLES, satisfies
-from reshard.common.supervisor import module_command
+from reshard.common.control.security import METHOD_ROLES, satisfies
+from reshard.common.control.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -242,8 +242,8 @@ def test_the_session_store_admits_only_holders_of_the_session_secret(secure):
     from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    from reshard.common.models import model_config
-    from reshard.common.synth import tensor_value
+    from reshard.common.models.presets import model_config
+    from reshard.tools.synth import tensor_value
 
     m = re.search(r"session store on ([0-9.]+):([0-9]+)", secure.tr_log.read_text())
     assert m, secure.tr_log.read_text()[-2000:]
@@ -296,7 +296,7 @@ def test_oversized_and_malformed_requests_and_layout_bombs_are_refused(secure):
     printed), and the deployment keeps serving."""
     import zlib
 
-    from reshard.common.columns import WIRE_MAGIC
+    from reshard.common.layout.columns import WIRE_MAGIC
 
     inf_pid = _controller_pid(secure, "inference")
     rss0 = _peak_rss_mib(inf_pid)

@@ -11,12 +11,12 @@ import site
 import subprocess
 import sys
 import time
-import tomllib
 
 import grpc
 import pytest
+import tomllib
 
-from reshard.common.supervisor import Supervisor, module_command, pid_alive
+from reshard.common.control.supervisor import Supervisor, module_command, pid_alive
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
@@ -35,15 +35,19 @@ def installed(tmp_path):
     for package, folder in mapping.items():
         dest = site_dir.joinpath(*package.split("."))
         dest.mkdir(parents=True, exist_ok=True)
-        for f in (REPO / folder).glob("*.py"):
-            shutil.copy(f, dest / f.name)
+        for f in (REPO / folder).rglob("*.py"):  # subpackages too (reshard.common.layout, ...)
+            rel = f.relative_to(REPO / folder)
+            if rel.parts[0] in {m.split(".")[-1] for m in mapping if m.startswith(package + ".")}:
+                continue  # a folder pyproject maps to its own package (none nest today)
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, dest / rel)
     deps = [p for p in site.getsitepackages() if "site-packages" in p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site_dir), *deps]))
     entry = tmp_path / "bin" / "reshard"
     entry.parent.mkdir()
     entry.write_text("import sys\nfrom reshard.cli import main\nsys.exit(main())\n")
     python = getattr(sys, "_base_executable", sys.executable)
-    r = subprocess.run([python, "-c", "import reshard.common.supervisor as m; print(m.__file__)"], env=env, cwd="/",
+    r = subprocess.run([python, "-c", "import reshard.common.control.supervisor as m; print(m.__file__)"], env=env, cwd="/",
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith(str(site_dir)), r.stderr + r.stdout
     return python, env, entry
@@ -59,9 +63,9 @@ def shadowing_folder(path: pathlib.Path) -> pathlib.Path:
 def test_module_command_ignores_the_working_directory(tmp_path, installed):
     python, env, _ = installed
     cwd = shadowing_folder(tmp_path / "checkout")
-    r = subprocess.run([python, "-m", "reshard.common.supervisor"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([python, "-m", "reshard.common.control.supervisor"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert "No module named 'reshard.common'" in r.stderr  # what plain -m does there
-    cmd = module_command("reshard.common.supervisor")
+    cmd = module_command("reshard.common.control.supervisor")
     r = subprocess.run([python, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
@@ -133,7 +137,7 @@ def test_worker_that_attached_is_restarted_however_soon_it_dies():
 def test_orphaned_worker_waits_to_be_adopted_then_stops():
     """A controller killed with SIGKILL leaves its workers behind with the weights they hold: each
     waits RESHARD_ORPHAN_GRACE_S for a restarted controller to adopt it, then stops by itself."""
-    worker = ("import threading; from reshard.common.supervisor import watch_controller\n"
+    worker = ("import threading; from reshard.common.control.supervisor import watch_controller\n"
               "stop = threading.Event(); watch_controller(stop, lambda: 0, every=0.05); stop.wait(60)")
     controller = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], "
                   "env={**os.environ, 'RESHARD_SUPERVISOR_PID': str(os.getpid()), 'RESHARD_ORPHAN_GRACE_S': '1.5'}); "

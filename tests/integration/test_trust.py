@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from reshard.common.models import megatron_layout, model_config
-from reshard.common.synth import tensor_value
+from reshard.common.models.presets import megatron_layout, model_config
+from reshard.tools.synth import tensor_value
 from reshard.trainer_svc.worker import TrainerWorker
 
 from .cluster import Cluster, cli, dump_rpc, free_port, stop_processes

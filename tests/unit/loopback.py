@@ -2,7 +2,7 @@
 senders run first and leave their messages on a shared wire; a receive must match the
 sent size exactly (gloo aborts the process on a mismatch, so the tests are stricter)."""
 
-from reshard.common.transport import Transport, Work
+from reshard.common.dataplane.transport import Transport, Work
 
 
 class Done(Work):

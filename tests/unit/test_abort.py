@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from reshard.common.engine import Engine, StagingPool
-from reshard.common.layout import Box, Layout, LocalBuffer, Piece, TensorSpec
-from reshard.common.nccl_transport import NcclTransport
-from reshard.common.planner import PlanOptions, make_plan
-from reshard.common.transport import GlooTransport, TransportError
+from reshard.common.dataplane.engine import Engine, StagingPool
+from reshard.common.dataplane.nccl_transport import NcclTransport
+from reshard.common.dataplane.transport import GlooTransport, TransportError
+from reshard.common.layout.core import Box, Layout, LocalBuffer, Piece, TensorSpec
+from reshard.common.plan.planner import PlanOptions, make_plan
 
 from .test_nccl import FakeCuda, FakeNccl, _transport
 

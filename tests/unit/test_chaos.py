@@ -5,7 +5,7 @@ import pytest
 
 from reshard.chaos import Cycle, Settings, print_table, random_faults, summarize
 from reshard.cli import build_parser
-from reshard.common.faults import ACTIONS, PHASES, ROLES
+from reshard.common.control.faults import ACTIONS, PHASES, ROLES
 
 
 def test_faults_follow_the_seed_and_name_a_rank_only_for_workers():

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reshard.common.checksum import P, box_checksum, box_checksum_torch, combine
-from reshard.common.mixing import mix31
-from reshard.common.synth import advance_box, init_box, tensor_value
+from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_torch, combine
+from reshard.common.dataplane.mixing import mix31
+from reshard.tools.synth import advance_box, init_box, tensor_value
 
 
 def _weight(i: int, salt: int) -> int:
@@ -15,7 +15,7 @@ def _weight(i: int, salt: int) -> int:
 
 
 def reference_checksum(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    """The checksum's definition, byte by byte with Python integers (common/checksum.py's docstring)."""
+    """The checksum's definition, byte by byte with Python integers (common/dataplane/checksum.py's docstring)."""
     esize = values.element_size()
     data = values.contiguous().view(-1).view(torch.uint8).tolist()
     size = tuple(values.shape)

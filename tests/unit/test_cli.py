@@ -5,7 +5,7 @@ import json
 import pytest
 
 from reshard.cli import build_parser, check_service_args, main, message_to_dict
-from reshard.common.models import MODELS
+from reshard.common.models.presets import MODELS
 from reshard.proto import reshard_pb2 as pb
 
 BIG = 2**53 + 1  # not exact as a float: a number parsed through one would differ
@@ -81,16 +81,15 @@ def test_the_client_commands_do_not_import_torch():
     """`reshard status`, `update`, `attach`, `detach` (and so the container health check) start
     without torch: each, run against a port nobody serves, fails fast with torch never imported."""
     import subprocess
-    import sys
 
-    from reshard.common.supervisor import module_command
+    from reshard.common.control.supervisor import module_command
 
     code = ("import sys\nfrom reshard.cli import main\n"
             "for argv in ([\"status\", \"--trainer\", \"127.0.0.1:1\"], [\"update\", \"--trainer\", \"127.0.0.1:1\"],\n"
             "             [\"attach\", \"--trainer\", \"127.0.0.1:1\", \"--inference\", \"127.0.0.1:2\"],\n"
             "             [\"detach\", \"--trainer\", \"127.0.0.1:1\", \"--inference\", \"127.0.0.1:2\"]):\n"
             "    assert main(argv + [\"--timeout\", \"0.5\"]) != 0\n"
-            "print(sorted(m for m in ('torch', 'reshard.common.synth', 'reshard.common.engine') if m in sys.modules))\n")
+            "print(sorted(m for m in ('torch', 'reshard.tools.synth', 'reshard.common.dataplane.engine') if m in sys.modules))\n")
     r = subprocess.run([*module_command("reshard.cli")[:-2], "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout

@@ -21,8 +21,8 @@ import yaml
 from reshard import certs as certs_cmd
 from reshard.cli import build_parser
 from reshard.cli import main as cli_main
-from reshard.common.rpc import parse_address
-from reshard.common.security import _ENV_KEYS, AuthInterceptor, Security
+from reshard.common.control.rpc import parse_address
+from reshard.common.control.security import _ENV_KEYS, AuthInterceptor, Security
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

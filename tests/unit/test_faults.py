@@ -1,4 +1,4 @@
-"""The fault hook (common/faults.py): its instructions, and who it strikes, once. A process that
+"""The fault hook (common/control/faults.py): its instructions, and who it strikes, once. A process that
 strikes itself is a small Python child here, never the test's own process."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from reshard.common.faults import Fault
+from reshard.common.control.faults import Fault
 
 
 def test_instructions_parse_and_print_back():
@@ -27,14 +27,14 @@ def test_bad_instructions_say_what_is_expected(text):
 
 def hook(env: dict, calls: str) -> subprocess.CompletedProcess:
     """Run `calls` (at_phase calls, one per line) in a child with the hook's environment."""
-    code = "from reshard.common.faults import at_phase\n" + calls + "\nprint('survived')"
+    code = "from reshard.common.control.faults import at_phase\n" + calls + "\nprint('survived')"
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=60, check=False)
 
 
 def test_unset_hook_strikes_nothing():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_FAULT")}
-    code = "from reshard.common import faults\nfaults.at_phase('trainer', 'VERIFY')\nassert not faults._SPEC and not faults._FIXED"
+    code = "from reshard.common.control import faults\nfaults.at_phase('trainer', 'VERIFY')\nassert not faults._SPEC and not faults._FIXED"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
 

@@ -20,10 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.common.checksum import P
-from reshard.common import verify
-from reshard.common.engine import Engine, StagingPool, execute_in_memory, receiver_checksums
-from reshard.common.layout import (
+from reshard.common.dataplane.checksum import P
+from reshard.common.dataplane.engine import Engine, StagingPool, execute_in_memory, receiver_checksums
+from reshard.common.layout.core import (
     Box,
     Layout,
     LayoutError,
@@ -35,7 +34,9 @@ from reshard.common.layout import (
     flat_range_to_boxes,
     itemsize,
 )
-from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
+from reshard.common.plan import verify
+from reshard.common.plan.planner import PlanOptions, make_plan
 
 from .loopback import Loopback
 
@@ -641,7 +642,7 @@ def test_flat_space_with_a_scalar_tensor(direct_min):
             else:
                 run_engines(plan, src, dst, sbufs, dbufs, shapes)
             assert_dst_equal(dbufs, want)
-    assert Layout.from_bytes(flat.to_bytes()) == flat
+    assert layout_from_bytes(layout_bytes(flat)) == flat
 
 
 # --------------------------------------------------------------------------------------------
@@ -723,13 +724,13 @@ def test_error_flat_destination_gap():
 @given(sc=scenarios(cast="src"))
 def test_flat_layout_bytes_round_trip(sc: Scenario):
     for lay in (sc.src, sc.dst):
-        back = Layout.from_bytes(lay.to_bytes())
+        back = layout_from_bytes(layout_bytes(lay))
         assert back == lay
         assert back.allow_casts == lay.allow_casts
-        assert back.fingerprint() == lay.fingerprint()
+        assert layout_fingerprint(back) == layout_fingerprint(lay)
         assert [p.flat for bufs in back.ranks for b in bufs for p in b.pieces] == \
                [p.flat for bufs in lay.ranks for b in bufs for p in b.pieces]
-    assert make_plan(Layout.from_bytes(sc.src.to_bytes()), Layout.from_bytes(sc.dst.to_bytes())).digest == \
+    assert make_plan(layout_from_bytes(layout_bytes(sc.src)), layout_from_bytes(layout_bytes(sc.dst))).digest == \
         make_plan(sc.src, sc.dst).digest
 
 
@@ -737,23 +738,23 @@ def test_flat_flag_changes_fingerprint():
     flat = Layout(W, ((LocalBuffer("f", (16,), "float32", tuple(flat_pieces("w", (4, 4), 0, 16, 0))),),))
     [p] = flat.ranks[0][0].pieces
     assert p.flat and p.region == Box((0,), (16,)) and p.box == Box.full((4, 4))
-    back = Layout.from_bytes(flat.to_bytes())
+    back = layout_from_bytes(layout_bytes(flat))
     assert back.ranks[0][0].pieces[0].flat is True
-    assert back.fingerprint() == flat.fingerprint()
+    assert layout_fingerprint(back) == layout_fingerprint(flat)
     boxed = Layout(W, ((LocalBuffer("f", (4, 4), "float32", (Piece("w", Box.full((4, 4)), Box.full((4, 4))),)),),))
-    assert boxed.fingerprint() != flat.fingerprint()
+    assert layout_fingerprint(boxed) != layout_fingerprint(flat)
     j = flat.to_json()
     # The older encoding (one entry per rank under "ranks", pieces of three fields) still reads.
     old = {"tensors": j["tensors"], "allow_casts": j["allow_casts"],
            "ranks": [[{**j["classes"][0][0], "pieces": [["w", [[0], [16]], [[0, 0], [4, 4]]]]}]]}
     unflagged = Layout.from_json(old)
     assert unflagged.ranks[0][0].pieces[0].flat is False  # old three-field form reads as boxed
-    assert unflagged.fingerprint() != flat.fingerprint()
+    assert layout_fingerprint(unflagged) != layout_fingerprint(flat)
 
 
 def test_table_padding_of_mixed_ranks():
     """Boxes of several ranks land in one table, right-filled (offset 0, size 1)."""
-    from reshard.common.columns import pad_rows as _pad
+    from reshard.common.layout.columns import pad_rows as _pad
 
     rows = [(3,), (1, 2), (), (4, 5, 6), (7,)]
     assert _pad(rows, 3, 1).tolist() == [[3, 1, 1], [1, 2, 1], [1, 1, 1], [4, 5, 6], [7, 1, 1]]
@@ -763,7 +764,7 @@ def test_table_padding_of_mixed_ranks():
 def test_unique_rows_matches_numpy():
     import numpy as np
 
-    from reshard.common.tables import unique_rows
+    from reshard.common.layout.tables import unique_rows
 
     rng = np.random.default_rng(0)
     for cols in ([rng.integers(0, 5, 300), rng.integers(0, 300, 300)],

@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 
-from reshard.common.engine import execute_in_memory
-from reshard.common.frameworks import build, model_spec, parse_spec, world_of
-from reshard.common.layout import LayoutError, dtype_of
-from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.dataplane.engine import execute_in_memory
+from reshard.common.layout.core import LayoutError, dtype_of
+from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
+from reshard.common.models.frameworks import build, model_spec, parse_spec, world_of
+from reshard.common.plan.planner import PlanOptions, make_plan
 
 SPECS = [
     "framework=megatron,tp=2", "framework=megatron,tp=2,pp=2,dp=2", "framework=megatron,tp=1,pp=3,dp=2,vpp=1",
@@ -148,9 +149,8 @@ def test_columnar_builders_match_object_builders(model, spec):
     """The builders emit routed experts as columns; rank by rank the buffers equal those the
     object builders make piece by piece (buffer order may differ), replicas still share one
     tuple, and the columns survive the wire: same fingerprint and plan digest after decoding."""
-    from reshard.common.columns import ColumnRanks
-    from reshard.common.frameworks import BUILDERS
-    from reshard.common.layout import Layout
+    from reshard.common.layout.columns import ColumnRanks
+    from reshard.common.models.frameworks import BUILDERS
 
     m = model_spec(model)
     fw, kw = parse_spec(spec)
@@ -158,8 +158,8 @@ def test_columnar_builders_match_object_builders(model, spec):
     assert isinstance(cols.ranks, ColumnRanks) and not isinstance(objs.ranks, ColumnRanks)
     assert [{b.name: b for b in bufs} for bufs in cols.ranks] == [{b.name: b for b in bufs} for bufs in objs.ranks]
     assert [len({id(cols.ranks[r]) for r in range(cols.world)})] == [len({id(b) for b in objs.ranks})]
-    back = Layout.from_bytes(cols.to_bytes())
-    assert back == cols and back.fingerprint() == cols.fingerprint()
+    back = layout_from_bytes(layout_bytes(cols))
+    assert back == cols and layout_fingerprint(back) == layout_fingerprint(cols)
     dst = build(m, "framework=vllm,tp=2,dp=2")
     opts = PlanOptions(bucket_bytes=8192, direct_min_bytes=1024)
     assert make_plan(cols, dst, opts).digest == make_plan(back, dst, opts).digest
@@ -221,18 +221,17 @@ def test_wire_form_is_columns_and_reads_the_json_form():
     """Layouts cross the control plane as columns: small, decoded without per-piece work into a
     columnar layout equal to the original; the JSON form still reads; damaged bytes raise
     LayoutError instead of yielding a layout."""
-    from reshard.common.columns import WIRE_MAGIC, ColumnRanks, unwire, wire
-    from reshard.common.layout import Layout
+    from reshard.common.layout.columns import WIRE_MAGIC, ColumnRanks, unwire, wire
 
     for lay in (build("tiny-moe", "framework=vllm,tp=2,dp=2,ep=1"), build("tiny", "framework=fsdp,dp=3"),
                 build("tiny-mla", "framework=megatron,tp=2,pp=2,dp=2,ep=2", )):
-        data = lay.to_bytes()
-        assert data.startswith(WIRE_MAGIC) and lay.to_bytes() is data  # made once
-        back = Layout.from_bytes(data)
-        assert isinstance(back.ranks, ColumnRanks) and back == lay and back.fingerprint() == lay.fingerprint()
+        data = layout_bytes(lay)
+        assert data.startswith(WIRE_MAGIC) and layout_bytes(lay) is data  # made once
+        back = layout_from_bytes(data)
+        assert isinstance(back.ranks, ColumnRanks) and back == lay and layout_fingerprint(back) == layout_fingerprint(lay)
         js = json.dumps(lay.to_json()).encode()
-        assert Layout.from_bytes(js) == lay
-    assert len(lay.to_bytes()) < len(js)
+        assert layout_from_bytes(js) == lay
+    assert len(layout_bytes(lay)) < len(js)
     raw = unwire(data)
     n = int.from_bytes(raw[:8], "little")
     head = json.loads(raw[8:8 + n])
@@ -245,7 +244,7 @@ def test_wire_form_is_columns_and_reads_the_json_form():
     lying = data[:len(WIRE_MAGIC)] + (len(raw) - 16).to_bytes(8, "little") + data[len(WIRE_MAGIC) + 8:]
     for bad in [data[:len(data) // 2], wire(raw[:-16]), lying, *bad_heads]:
         with pytest.raises(LayoutError, match="malformed layout"):
-            Layout.from_bytes(bad)
+            layout_from_bytes(bad)
 
 
 @pytest.mark.parametrize("model,spec", [("tiny-moe", "framework=vllm,tp=2,dp=2,ep=1"), ("tiny-mla", "framework=megatron,tp=2,pp=2,dp=2"),
@@ -253,33 +252,32 @@ def test_wire_form_is_columns_and_reads_the_json_form():
 def test_rank_layouts_merge_in_columns_into_the_built_layout(model, spec):
     """A controller assembles its side's layout from its workers' hellos without making Python
     pieces: the result equals the layout the builder made (content, fingerprint, plan digest)."""
-    from reshard.common.columns import ColumnRanks, merge_ranks
-    from reshard.common.layout import Layout
-    from reshard.common.worker import rank_layout_bytes
+    from reshard.common.control.worker import rank_layout_bytes
+    from reshard.common.layout.columns import ColumnRanks, merge_ranks
 
     lay = build(model, spec)
     hellos = [rank_layout_bytes(lay.tensors, list(lay.ranks[r])) for r in range(lay.world)]
     parts, index = [], {}
     rank_part = [index.setdefault(h, len(index)) for h in hellos]
-    parts = [Layout.from_bytes(h) for h in index]
+    parts = [layout_from_bytes(h) for h in index]
     merged = merge_ranks(parts, rank_part)
     assert isinstance(merged.ranks, ColumnRanks) and len(merged.ranks.classes) == len(parts) <= lay.world
-    assert merged.fingerprint() == lay.fingerprint()
+    assert layout_fingerprint(merged) == layout_fingerprint(lay)
     assert tuple(merged.ranks) == tuple(lay.ranks) and merged.tensors == lay.tensors
     other = build(model, "framework=fsdp,dp=2")
     assert make_plan(merged, other).digest == make_plan(lay, other).digest
 
 
 def test_rank_layouts_that_disagree_on_a_tensor_are_refused():
-    from reshard.common.columns import merge_ranks
-    from reshard.common.layout import Layout, TensorSpec
-    from reshard.common.worker import rank_layout_bytes
+    from reshard.common.control.worker import rank_layout_bytes
+    from reshard.common.layout.columns import merge_ranks
+    from reshard.common.layout.core import TensorSpec
 
     lay = build("tiny", "framework=megatron,tp=2")
     name = lay.ranks[1][0].pieces[0].tensor
     bad = dict(lay.tensors)
     bad[name] = TensorSpec(name, tuple(s + 1 for s in bad[name].shape), bad[name].dtype)
-    parts = [Layout.from_bytes(rank_layout_bytes(lay.tensors, list(lay.ranks[0]))),
-             Layout.from_bytes(rank_layout_bytes(bad, list(lay.ranks[1])))]
+    parts = [layout_from_bytes(rank_layout_bytes(lay.tensors, list(lay.ranks[0]))),
+             layout_from_bytes(rank_layout_bytes(bad, list(lay.ranks[1])))]
     with pytest.raises(LayoutError, match=f"tensor '{name}': rank 1 declares"):
         merge_ranks(parts, [0, 1])

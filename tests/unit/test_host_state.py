@@ -58,8 +58,8 @@ if sys.argv[1] == "plan-cli":
     from reshard.plan_cmd import tune_process_for_planning
 
     tune_process_for_planning()
-from reshard.common.frameworks import build
-from reshard.common.planner import make_plan
+from reshard.common.models.frameworks import build
+from reshard.common.plan.planner import make_plan
 
 sys.setprofile(sample)
 src = build("tiny-moe", "framework=megatron,tp=2,pp=2,ep=2,dp=2")

@@ -1,9 +1,9 @@
-"""The worker hub's judgement of silent workers (common/hub.py)."""
+"""The worker hub's judgement of silent workers (common/control/hub.py)."""
 
 import asyncio
 import time
 
-from reshard.common.hub import WorkerConn, WorkerHub
+from reshard.common.control.hub import WorkerConn, WorkerHub
 from reshard.proto import worker_pb2 as wpb
 
 

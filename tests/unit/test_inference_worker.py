@@ -2,7 +2,7 @@
 
 import torch
 
-from reshard.common.layout import Box, LocalBuffer, Piece, TensorSpec
+from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
 from reshard.inference_svc.worker import InferenceWorker
 from reshard.proto import reshard_pb2 as pb
 

@@ -13,13 +13,24 @@ import time
 import pytest
 import torch
 
-from reshard.common import nccl
-from reshard.common.backend import BackendError, buffers_device, select_backend
-from reshard.common.engine import StagingPool
-from reshard.common.nccl import (LibraryChoice, NcclError, NcclLibrary, NcclUnavailable, choose_library, config_struct,
-                                 decode_version, make_config, ncclUniqueId, version_code, version_string)
-from reshard.common.nccl_transport import NcclTransport
-from reshard.common.transport import TransportError, transport_class
+from reshard.common.dataplane import nccl
+from reshard.common.dataplane.backend import BackendError, buffers_device, select_backend
+from reshard.common.dataplane.engine import StagingPool
+from reshard.common.dataplane.nccl import (
+    LibraryChoice,
+    NcclError,
+    NcclLibrary,
+    NcclUnavailable,
+    choose_library,
+    config_struct,
+    decode_version,
+    make_config,
+    ncclUniqueId,
+    version_code,
+    version_string,
+)
+from reshard.common.dataplane.nccl_transport import NcclTransport
+from reshard.common.dataplane.transport import TransportError, transport_class
 
 # -- versions -----------------------------------------------------------------------------------
 
@@ -523,7 +534,7 @@ def test_close_finalizes_or_aborts(monkeypatch):
     t = _transport(lib)
     t.close()
     assert ("finalize",) in lib.calls and lib.destroyed == 1 and lib.aborted == 0
-    monkeypatch.setattr("reshard.common.nccl_transport.CLOSE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr("reshard.common.dataplane.nccl_transport.CLOSE_TIMEOUT_S", 0.1)
     lib = FakeNccl()
     t = _transport(lib)
     lib.async_codes = [7]  # a peer that never finalizes
@@ -548,7 +559,7 @@ def test_staging_pool_is_reused_and_warns_past_its_limit(caplog):
 
 
 def test_worker_reports_device_and_memory():
-    from reshard.common.layout import Box, LocalBuffer, Piece, TensorSpec
+    from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
     from reshard.trainer_svc.worker import TrainerWorker
 
     spec = TensorSpec("w", (4, 8), "float32")
@@ -593,9 +604,9 @@ def test_doctor_text():
 def test_engine_flushes_once_per_round_inside_the_copy_context():
     import contextlib
 
-    from reshard.common.engine import Engine
-    from reshard.common.layout import Box, Layout, LocalBuffer, Piece, TensorSpec
-    from reshard.common.planner import PlanOptions, make_plan
+    from reshard.common.dataplane.engine import Engine
+    from reshard.common.layout.core import Box, Layout, LocalBuffer, Piece, TensorSpec
+    from reshard.common.plan.planner import PlanOptions, make_plan
     from tests.unit.loopback import Loopback
 
     class Recording(Loopback):
@@ -638,7 +649,7 @@ def test_engine_flushes_once_per_round_inside_the_copy_context():
 
 
 def test_ipc_handle_proto_round_trip_and_cpu_refusal():
-    from reshard.common.cuda_ipc import IpcHandle, export_tensor
+    from reshard.common.dataplane.cuda_ipc import IpcHandle, export_tensor
     from reshard.proto import worker_pb2 as wpb
 
     h = IpcHandle(name="w", device=1, handle=b"\1" * 64, storage_bytes=4096, storage_offset=512, ref_counter_handle=b"ref",
@@ -663,7 +674,7 @@ def test_trainer_cli_takes_a_backend():
 def test_worker_makes_session_ids_or_says_why_not(tmp_path, monkeypatch):
     import asyncio
 
-    from reshard.common.layout import Box, LocalBuffer, Piece, TensorSpec
+    from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
     from reshard.proto import worker_pb2 as wpb
     from reshard.trainer_svc.worker import TrainerWorker
 
@@ -687,7 +698,7 @@ def test_worker_makes_session_ids_or_says_why_not(tmp_path, monkeypatch):
 def test_worker_device_choice_and_errors(monkeypatch):
     import torch
 
-    from reshard.common.backend import worker_device
+    from reshard.common.dataplane.backend import worker_device
 
     assert worker_device("cpu", 3) == torch.device("cpu") and worker_device("", 0) == torch.device("cpu")
     with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reshard.common.engine import execute_in_memory
-from reshard.common.layout import LayoutError, TensorSpec
-from reshard.common.placement import Replicate, Shard, chunk_sizes, expand, placement_layout
-from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.dataplane.engine import execute_in_memory
+from reshard.common.layout.core import LayoutError, TensorSpec
+from reshard.common.layout.placement import Replicate, Shard, chunk_sizes, expand, placement_layout
+from reshard.common.plan.planner import PlanOptions, make_plan
 
 
 def chunk_slice(t: torch.Tensor, mesh, placements, coord) -> torch.Tensor:

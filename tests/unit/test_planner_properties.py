@@ -20,9 +20,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reshard.common.engine import Engine, StagingPool, execute_in_memory
-from reshard.common.layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, dtype_of, itemsize
-from reshard.common.planner import ALIGN, PlanOptions, make_plan
+from reshard.common.dataplane.engine import Engine, StagingPool, execute_in_memory
+from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, dtype_of, itemsize
+from reshard.common.layout.wire import layout_bytes, layout_from_bytes
+from reshard.common.plan.planner import ALIGN, PlanOptions, make_plan
 
 from .loopback import Loopback
 
@@ -433,7 +434,7 @@ def test_replicated_sources_are_balanced(case):
 @given(sc=scenarios(), opts=plan_options())
 def test_digest_deterministic(sc: Scenario, opts: PlanOptions):
     a = make_plan(sc.src, sc.dst, opts)
-    b = make_plan(Layout.from_bytes(sc.src.to_bytes()), Layout.from_bytes(sc.dst.to_bytes()), opts)
+    b = make_plan(layout_from_bytes(layout_bytes(sc.src)), layout_from_bytes(layout_bytes(sc.dst)), opts)
     assert a.digest == b.digest
     assert a.messages == b.messages
     # A different destination layout: one more padding row at the end of one buffer.
@@ -641,7 +642,7 @@ def test_next_fit_paths_agree(data):
     """The planner's bin packing has a per-item path and a per-bin vectorized one: same bins."""
     import numpy as np
 
-    from reshard.common.planner import _next_fit
+    from reshard.common.plan.planner import _next_fit
 
     n = data.draw(st.integers(1, 300))
     group = np.sort(np.array(data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)), dtype=np.int64))
@@ -667,7 +668,7 @@ def test_replica_assignment_paths_agree(data):
     huge: both are the greedy least-loaded choice, and it matches a plain greedy loop."""
     import numpy as np
 
-    import reshard.common.planner as planner
+    import reshard.common.plan.planner as planner
 
     world = data.draw(st.integers(2, 6))
     sets = [np.array(sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world))), dtype=np.int64)

@@ -1,8 +1,17 @@
-"""Credentials and roles (common/security.py), without a network."""
+"""Credentials and roles (common/control/security.py), without a network."""
 
 import pytest
 
-from reshard.common.security import METHOD_ROLES, AuthInterceptor, Security, SecurityError, is_loopback, read_tokens, satisfies
+from reshard.common.control.security import (
+    METHOD_ROLES,
+    AuthInterceptor,
+    Security,
+    SecurityError,
+    is_loopback,
+    read_tokens,
+    satisfies,
+)
+from reshard.common.layout.wire import layout_from_bytes
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 
@@ -77,8 +86,8 @@ def test_a_layout_that_inflates_past_the_limit_is_refused_before_it_takes_the_me
     import resource
     import zlib
 
-    from reshard.common.columns import MAX_INFLATED, WIRE_MAGIC
-    from reshard.common.layout import Layout, LayoutError
+    from reshard.common.layout.columns import MAX_INFLATED, WIRE_MAGIC
+    from reshard.common.layout.core import LayoutError
 
     z = zlib.compressobj(1)
     zero = bytes(64 << 20)
@@ -88,18 +97,18 @@ def test_a_layout_that_inflates_past_the_limit_is_refused_before_it_takes_the_me
     lying = WIRE_MAGIC + (1 << 20).to_bytes(8, "little") + stream
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(LayoutError, match=f"declares {320 << 20} bytes inflated, over the limit of {MAX_INFLATED >> 20} MiB"):
-        Layout.from_bytes(honest)
+        layout_from_bytes(honest)
     with pytest.raises(LayoutError, match="inflates past the 1048576 bytes it declares"):
-        Layout.from_bytes(lying)
+        layout_from_bytes(lying)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     print(f"peak RSS grew {grown_mib:.0f} MiB refusing a 320 MiB decompression bomb")
     assert grown_mib < 64, grown_mib  # never the 320 MiB; not even the limit
     with pytest.raises(LayoutError, match="older reshard version"):
-        Layout.from_bytes(b"RSL2c" + stream)
+        layout_from_bytes(b"RSL2c" + stream)
 
 
 def test_callers_timeouts_are_clamped_by_the_server():
-    from reshard.common.rpc import clamp_timeout
+    from reshard.common.control.rpc import clamp_timeout
 
     assert clamp_timeout(1e9, 120.0, 120.0) == 120.0  # a timeout_s of 1e9 must not pin the data plane
     assert clamp_timeout(30.0, 120.0, 120.0) == 30.0

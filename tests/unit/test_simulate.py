@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from reshard.common.frameworks import build
-from reshard.common.planner import PlanOptions, make_plan
-from reshard.common.simulate import (
+from reshard.common.models.frameworks import build
+from reshard.common.plan.planner import PlanOptions, make_plan
+from reshard.tools.simulate import (
     Cluster,
     Phase,
     broadcast_phases,
@@ -280,9 +280,9 @@ def test_bad_names_and_values_say_what_is_valid():
 
 def test_plan_traffic_from_columns_matches_messages():
     """plan_traffic sums the plan's columns; summing its Message objects gives the same phases."""
-    from reshard.common.frameworks import build
-    from reshard.common.planner import PlanOptions, make_plan
-    from reshard.common.simulate import plan_traffic
+    from reshard.common.models.frameworks import build
+    from reshard.common.plan.planner import PlanOptions, make_plan
+    from reshard.tools.simulate import plan_traffic
 
     plan = make_plan(build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=3"),
                      PlanOptions(bucket_bytes=4096, direct_min_bytes=1024, max_message_bytes=8192))
@@ -369,7 +369,7 @@ def test_local_profile_from_calibration_spans():
 
 def test_owner_broadcast_windows_follow_the_owners():
     """Window k holds every owner's k-th box; every receiver copies out what it keeps."""
-    from reshard.common.bench_methods import _owner_items, owner_broadcast_windows
+    from reshard.tools.bench_methods import _owner_items, owner_broadcast_windows
 
     src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2")
     items = _owner_items(src)

@@ -1,4 +1,4 @@
-"""Verification in compact arrays (common/verify.py): the sums that sources report as (slot,
+"""Verification in compact arrays (common/plan/verify.py): the sums that sources report as (slot,
 value) pairs, merged over the plan's slots and cut per destination rank, accept exactly the
 bytes the sources sent and reject any other, on real framework layouts with relayed replicas."""
 
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from reshard.common import verify
-from reshard.common.checksum import P, box_checksum
-from reshard.common.engine import Engine, StagingPool
-from reshard.common.frameworks import build, model_spec
-from reshard.common.layout import LayoutError
-from reshard.common.planner import PlanOptions, make_plan
+from reshard.common.dataplane.checksum import P, box_checksum
+from reshard.common.dataplane.engine import Engine, StagingPool
+from reshard.common.layout.core import LayoutError
+from reshard.common.models.frameworks import build, model_spec
+from reshard.common.plan import verify
+from reshard.common.plan.planner import PlanOptions, make_plan
 from tests.unit.loopback import Loopback
 from tests.unit.test_frameworks import canonical, fill_from
 

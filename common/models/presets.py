@@ -10,10 +10,9 @@ vocabulary padded to a multiple of 64). Canonical names are Hugging Face's.
 
 from __future__ import annotations
 
-from .frameworks import MODEL_SPECS, ModelSpec, build, megatron, model_spec, vllm
-from .layout import Layout
+from reshard.common.layout.core import Layout
+from reshard.common.models.frameworks import MODEL_SPECS, ModelSpec, megatron, model_spec, vllm
 
-LlamaConfig = ModelSpec
 MODELS = MODEL_SPECS
 model_config = model_spec
 
@@ -24,8 +23,3 @@ def megatron_layout(cfg: ModelSpec, tp: int) -> Layout:
 
 def vllm_layout(cfg: ModelSpec, tp: int) -> Layout:
     return vllm(cfg, tp=tp)
-
-
-def build_layout(framework: str, model: str, tp: int) -> Layout:
-    """The default layouts of the standalone workers: `framework` with TP over all ranks."""
-    return build(model, f"framework={framework},tp={tp}")

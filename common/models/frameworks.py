@@ -23,9 +23,9 @@ import itertools
 
 import numpy as np
 
-from .columns import DTYPE_IDS, ClassCols, ColumnRanks, concat, fit_width
-from .layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
-from .placement import chunk_sizes
+from reshard.common.layout.columns import DTYPE_IDS, ClassCols, ColumnRanks, concat, fit_width
+from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
+from reshard.common.layout.placement import chunk_sizes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -224,7 +224,7 @@ def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int 
     """vLLM's layout: TP ranks per replica, `dp` identical replicas; ep=1 puts whole experts
     on ranks (expert parallel over tp*dp), ep=0 splits every expert over TP.
 
-    `columns` (the default) builds the routed experts as columns (`reshard.common.columns`);
+    `columns` (the default) builds the routed experts as columns (`reshard.common.layout.columns`);
     False builds every piece as a Python object (the reference the columns are tested against)."""
     tensors = _tensors(m)
     moe_ep = bool(ep and m.experts)

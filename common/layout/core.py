@@ -8,9 +8,8 @@ box of which canonical tensor each region of a buffer holds.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: importing this module does not import torch
@@ -284,16 +283,6 @@ class Layout:
             "rank_class": [index[id(bufs)] for bufs in self.ranks],
         }
 
-    def to_bytes(self) -> bytes:
-        """The wire form: columns, not pieces (`reshard.common.columns.encode`), made once per layout.
-        `from_bytes` also reads the earlier JSON forms."""
-        data = self._memo.get("bytes")
-        if data is None:
-            from .columns import encode
-
-            data = self._memo["bytes"] = encode(self)
-        return data
-
     @staticmethod
     def from_json(obj: dict) -> Layout:
         def box(j: list) -> Box:
@@ -322,42 +311,11 @@ class Layout:
             raise LayoutError(f"malformed layout: {e!r}") from e
         return Layout(tensors, ranks, bool(obj.get("allow_casts", False)))
 
-    @staticmethod
-    def from_bytes(data: bytes) -> Layout:
-        """A layout from its wire form (`to_bytes`), or from its JSON (`to_json`, utf-8)."""
-        from .columns import decode
-
-        if data[:3] == b"RSL":  # the wire form (an older one is refused by name)
-            return decode(data)
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise LayoutError(f"malformed layout: {e}") from e
-        return Layout.from_json(obj)
-
-    def fingerprint(self) -> str:
-        """A digest of the content (equal layouts, however built or encoded, share it)."""
-        fp = self._memo.get("fingerprint")
-        if fp is None:
-            from .tables import layout_fingerprint
-
-            fp = self._memo["fingerprint"] = layout_fingerprint(self)[:16]
-        return fp
-
     @property
     def payload_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
     # -- validation --------------------------------------------------------------------
-    def validate(self, side: str = "layout", require_full_buffers: bool = True) -> None:
-        """Raise LayoutError naming the tensor, the rank and the problem."""
-        seen: set[tuple[LocalBuffer, ...]] = set()
-        for rank, bufs in enumerate(self.ranks):
-            if bufs in seen:
-                continue  # replicas (DP copies) hold identical buffers: checked once, at the first rank
-            seen.add(bufs)
-            self.validate_rank(rank, side, require_full_buffers)
-
     def validate_rank(self, rank: int, side: str = "layout", require_full_buffers: bool = True) -> None:
         """The exact check of one rank's buffers (LayoutError naming tensor, rank and problem)."""
         bufs = self.ranks[rank]
@@ -432,11 +390,3 @@ def _check_disjoint(regions: list[tuple[Box, str]], where: str) -> None:
         active.append((box, what))
 
 
-def boxes_cover(boxes: Iterable[Box], target: Box) -> int:
-    """Number of elements of `target` covered by the (disjoint) boxes."""
-    total = 0
-    for b in boxes:
-        i = b.intersect(target)
-        if i is not None:
-            total += i.numel
-    return total

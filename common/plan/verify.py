@@ -14,11 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from reshard.common.dataplane.checksum import P, box_checksum
+from reshard.common.layout.core import LayoutError
+from reshard.common.plan.planner import Plan
 from reshard.proto import reshard_pb2 as pb
-
-from .checksum import P, box_checksum
-from .layout import LayoutError
-from .planner import Plan
 
 _U32 = np.dtype("<u4")
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .layout import DTYPES, Box, LocalBuffer, Piece
+from reshard.common.layout.core import DTYPES, Box, LocalBuffer, Piece
 
 DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
 DTYPE_NAMES = list(DTYPES)
@@ -221,7 +221,7 @@ def merge_ranks(parts: Sequence, rank_part: Sequence[int]):
     rank r being parts[rank_part[r]]: columns end to end, one class per distinct part (ranks
     that declared the same buffers share it). Tensors declared by several parts must agree
     (LayoutError naming the first rank of each)."""
-    from .layout import Layout, LayoutError
+    from reshard.common.layout.core import Layout, LayoutError
 
     tensors: dict = {}
     first_rank = {}
@@ -328,7 +328,7 @@ def wire(raw: bytes) -> bytes:
 def unwire(data: bytes, limit: int | None = None) -> bytes:
     """The raw bytes of a wire form. A declared size above `limit` (MAX_INFLATED) is refused before
     anything is inflated, and a stream that inflates to any other size is malformed."""
-    from .layout import LayoutError
+    from reshard.common.layout.core import LayoutError
 
     if data[:len(WIRE_MAGIC)] in _OLD_MAGICS:
         raise LayoutError("the layout comes from an older reshard version: run the same version on every controller and worker")
@@ -352,7 +352,7 @@ def inflate(data: bytes, limit: int = MAX_INFLATED) -> bytes:
     decompression bomb) is refused before it takes the memory."""
     import zlib
 
-    from .layout import LayoutError
+    from reshard.common.layout.core import LayoutError
 
     d, parts, total, rest = zlib.decompressobj(), [], 0, data
     while True:  # in steps of 16 MiB: the memory never runs far past the limit
@@ -376,7 +376,7 @@ def decode(data: bytes):
     import json
     import zlib
 
-    from .layout import Layout, LayoutError, TensorSpec
+    from reshard.common.layout.core import Layout, LayoutError, TensorSpec
 
     try:
         raw = unwire(data)

@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from .nccl import NcclError, NcclLibrary, NcclUnavailable, load_library, ncclInProgress, ncclSuccess
-from .transport import Transport, TransportError, Work
+from reshard.common.dataplane.nccl import NcclError, NcclLibrary, NcclUnavailable, load_library, ncclInProgress, ncclSuccess
+from reshard.common.dataplane.transport import Transport, TransportError, Work
 
 log = logging.getLogger("reshard.nccl")
 

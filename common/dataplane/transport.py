@@ -3,7 +3,7 @@
 The engine sees only `Transport`: post a send or a receive of a flat uint8
 tensor to/from a session peer with a tag, and wait for posted work with a
 deadline. `gloo` runs on CPU (torch's ProcessGroupGloo on a TCPStore, a fresh
-PrefixStore per session, no global default group); `nccl` (common/nccl_transport.py)
+PrefixStore per session, no global default group); `nccl` (common/dataplane/nccl_transport.py)
 on CUDA. A transport may hold back what was posted until `flush()` (NCCL fuses a
 round's operations in one group) and may run the engine's copies on a stream of
 its own (`copy_context()`); for gloo both are no-ops.
@@ -261,7 +261,7 @@ class GlooTransport(Transport):
 
 
 TRANSPORTS = {"gloo": GlooTransport}
-_LAZY = {"nccl": ("reshard.common.nccl_transport", "NcclTransport")}  # imported when first asked for
+_LAZY = {"nccl": ("reshard.common.dataplane.nccl_transport", "NcclTransport")}  # imported when first asked for
 
 
 def transport_class(name: str) -> type[Transport]:

@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-from .layout import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec
+from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .hub import WorkerHub
+    from reshard.common.control.hub import WorkerHub
 
 log = logging.getLogger("reshard.faults")
 

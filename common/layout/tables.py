@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .columns import DTYPE_IDS, ClassCols, fit_width, layout_classes, pad_rows
-from .layout import DTYPE_SIZES, Layout, LocalBuffer
+from reshard.common.layout.columns import DTYPE_IDS, ClassCols, fit_width, layout_classes, pad_rows
+from reshard.common.layout.core import DTYPE_SIZES, Layout, LocalBuffer
 
 ITEMSIZE = np.array(list(DTYPE_SIZES.values()), dtype=np.int64)
 
@@ -410,10 +410,6 @@ def unique_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for j in range(len(cols) - 1, -1, -1):
         ukey, out[:, j] = np.divmod(ukey, radix[j])
     return out, inv.reshape(-1)
-
-
-def layout_fingerprint(layout: Layout) -> str:
-    return build_table(layout, {}, require_full_buffers=False, check=False).fingerprint()
 
 
 def contiguous(size: np.ndarray, strides: np.ndarray, ndim: np.ndarray) -> np.ndarray:

@@ -40,15 +40,26 @@ import heapq
 import math
 import zlib
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .layout import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
-from .tables import ITEMSIZE, LayoutTable, build_table, contiguous, hash_array, row_all, row_any, row_prod, row_strides, unique_rows
-from .columns import fit_width
-from .tables import dot_rows as _dot
+from reshard.common.layout.columns import fit_width
+from reshard.common.layout.core import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
+from reshard.common.layout.tables import (
+    ITEMSIZE,
+    LayoutTable,
+    build_table,
+    contiguous,
+    hash_array,
+    row_all,
+    row_any,
+    row_prod,
+    row_strides,
+    unique_rows,
+)
+from reshard.common.layout.tables import dot_rows as _dot
 
 _DTYPE_NAMES = list(DTYPES)
 
@@ -98,9 +109,6 @@ class Side:
     buffer: str
     start: int
     strides: tuple[int, ...]
-
-    def shifted(self, delta: tuple[int, ...]) -> Side:
-        return Side(self.buffer, self.start + sum(d * s for d, s in zip(delta, self.strides)), self.strides)
 
     def contiguous(self, size: tuple[int, ...]) -> bool:
         want = contiguous_strides(size)

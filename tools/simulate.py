@@ -47,9 +47,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .layout import Layout
-from .planner import Plan, Side
-from .tables import unique_rows
+from reshard.common.layout.core import Layout
+from reshard.common.layout.tables import unique_rows
+from reshard.common.plan.planner import Plan, Side
 
 GB = 1e9
 
@@ -666,7 +666,7 @@ def scale_phases(phases: list[Phase], factor: float) -> list[Phase]:
 
 def _representative_layers(src_spec: str, dst_spec: str) -> int:
     """Decoder layers of the representative model: one per pipeline chunk of either side."""
-    from .frameworks import parse_spec
+    from reshard.common.models.frameworks import parse_spec
 
     n = 1
     for spec in (src_spec, dst_spec):
@@ -689,8 +689,8 @@ def simulate(model: str, src_spec: str, dst_spec: str, cluster: Cluster, *, exac
     scaled to the full model's decoder-layer bytes; embeddings, final norm and head are exact."""
     import time
 
-    from .frameworks import build, model_spec
-    from .planner import PlanOptions, make_plan
+    from reshard.common.models.frameworks import build, model_spec
+    from reshard.common.plan.planner import PlanOptions, make_plan
 
     say = progress or (lambda s: None)
     full = model_spec(model)

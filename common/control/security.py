@@ -53,7 +53,7 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # liveness and
 
 _MIB = 1 << 20
 # The largest request each method takes, in serialized bytes (the servers' transport limit,
-# common/rpc.py MAX_MESSAGE_BYTES, is the largest of these: a big model's layout). A bigger one is
+# common/control/rpc.py MAX_MESSAGE_BYTES, is the largest of these: a big model's layout). A bigger one is
 # refused with RESOURCE_EXHAUSTED before it is parsed.
 METHOD_LIMITS = {
     "/reshard.v1.TrainerService/TriggerUpdate": _MIB,  # tensor name patterns

@@ -26,7 +26,7 @@ import functools
 import numpy as np
 import torch
 
-from .mixing import flat_indices, mix31
+from reshard.common.dataplane.mixing import flat_indices, mix31
 
 P = 1 << 32  # the modulus: checksums are uint32 values
 _MASK = P - 1

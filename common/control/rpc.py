@@ -81,8 +81,8 @@ def parse_target(addr: str, what: str = "address") -> tuple[str, int]:
 
 
 def channel(addr: str, security=None) -> grpc.aio.Channel:
-    """A channel to one of our services, with this process's credentials (common/security.py)."""
-    from .security import current
+    """A channel to one of our services, with this process's credentials (common/control/security.py)."""
+    from reshard.common.control.security import current
 
     parse_target(addr)
     return (security or current()).channel(addr, CHANNEL_OPTIONS)
@@ -93,7 +93,7 @@ async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[s
     """Start a grpc.aio server with health and reflection; returns (server, health, port).
     `worker_tokens` (a list of tokens, possibly empty) makes it the worker listener: only the
     worker role's tokens are accepted there, and a `unix:` path is allowed."""
-    from .security import LimitInterceptor, current
+    from reshard.common.control.security import LimitInterceptor, current
 
     host, _ = parse_target(listen, what) if worker_tokens is not None else parse_address(listen, what)
     sec = current()

@@ -12,11 +12,12 @@ import time
 
 import torch
 
-from .checksum import box_checksum
-from .engine import Engine, StagingPool
-from .layout import Box, Layout, LocalBuffer, Piece, dtype_of
-from .planner import PlanOptions, make_plan
-from .transport import Transport, TransportError
+from reshard.common.dataplane.checksum import box_checksum
+from reshard.common.dataplane.engine import Engine, StagingPool
+from reshard.common.dataplane.transport import Transport, TransportError
+from reshard.common.layout.core import Box, Layout, LocalBuffer, Piece, dtype_of
+from reshard.common.layout.wire import layout_fingerprint
+from reshard.common.plan.planner import PlanOptions, make_plan
 
 
 def _gather_layout(src: Layout) -> Layout:
@@ -64,7 +65,7 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
     if side == "src":
         # The gather is planned once per layout (staging of at most 32 MiB per round); the
         # broadcast buckets may be larger.
-        key = ("gather", src.fingerprint(), min(bucket_bytes, 32 << 20))
+        key = ("gather", layout_fingerprint(src), min(bucket_bytes, 32 << 20))
         gplan = cache.get(key)
         if gplan is None:
             gplan = make_plan(src, _gather_layout(src), PlanOptions(bucket_bytes=key[2]))

@@ -19,20 +19,21 @@ import time
 import grpc
 import torch
 
+from reshard.common.control import faults
+from reshard.common.control.rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
+from reshard.common.control.security import Security
+from reshard.common.control.supervisor import CONTROLLER_PID_KEY
+from reshard.common.dataplane.backend import buffers_device
+from reshard.common.dataplane.engine import Engine, StagingPool
+from reshard.common.dataplane.transport import Transport, TransportError, transport_class
+from reshard.common.layout.core import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
+from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
+from reshard.common.plan.planner import Plan, PlanOptions, make_plan
+from reshard.common.plan.verify import sender_report
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
-
-from . import baseline, faults
-from .backend import buffers_device
-from .engine import Engine, StagingPool
-from .layout import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
-from .planner import Plan, PlanOptions, make_plan
-from .rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
-from .security import Security
-from .supervisor import CONTROLLER_PID_KEY
-from .transport import Transport, TransportError, transport_class
-from .verify import sender_report
+from reshard.tools import baseline
 
 log = logging.getLogger("reshard.worker")
 
@@ -72,13 +73,13 @@ _PLANS = SharedCache(8)  # (source and destination fingerprints, bucket bytes, t
 
 def _layout(fingerprint: str, data: bytes, what: str) -> Layout:
     if not fingerprint:
-        return Layout.from_bytes(data)
+        return layout_from_bytes(data)
     if not data:
         with _LAYOUTS._lock:
             known = fingerprint in _LAYOUTS._entries
         if not known:
             raise LayoutError(f"the {what} layout {fingerprint} is not known to this worker; its controller must send it")
-    return _LAYOUTS.get(fingerprint, lambda: Layout.from_bytes(data))
+    return _LAYOUTS.get(fingerprint, lambda: layout_from_bytes(data))
 
 
 _RANK_LAYOUTS: collections.OrderedDict = collections.OrderedDict()  # ids of buffers -> (buffers, bytes)
@@ -94,7 +95,7 @@ def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer]
     if hit is not None and all(a is b for a, b in zip(hit[0], buffers)) and hit[1] is tensors:
         return hit[2]
     used = {p.tensor for b in buffers for p in b.pieces}
-    data = Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts).to_bytes()
+    data = layout_bytes(Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts))
     with _RANK_LAYOUTS_LOCK:
         _RANK_LAYOUTS[key] = (tuple(buffers), tensors, data)  # the references keep the ids from being reused
         while len(_RANK_LAYOUTS) > 16:
@@ -338,7 +339,7 @@ class WorkerBase:
 
     async def _on_nccl_unique_id(self, u: wpb.NcclUniqueId, cid: int) -> dict:
         """Make the ncclUniqueId of a new NCCL session: this process hosts its bootstrap root."""
-        from .nccl import NcclUnavailable, load_library
+        from reshard.common.dataplane.nccl import NcclUnavailable, load_library
 
         def make() -> bytes:
             try:
@@ -361,7 +362,7 @@ class WorkerBase:
         # and built off the loop, once per process.
         src, dst = await asyncio.gather(loop.run_in_executor(None, _layout, p.src_fingerprint, p.src_layout, "source"),
                                         loop.run_in_executor(None, _layout, p.dst_fingerprint, p.dst_layout, "destination"))
-        key = (src.fingerprint(), dst.fingerprint(), opts.bucket_bytes, tuple(sorted(subset or ())))
+        key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, tuple(sorted(subset or ())))
         plan = await loop.run_in_executor(None, _PLANS.get, key, lambda: make_plan(src, dst, opts, subset))
         if p.mode != "serialized" and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")

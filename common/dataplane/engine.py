@@ -18,11 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from .checksum import P, box_checksum
-from .layout import dtype_of
-from .planner import Message, Plan, Segment, Side
-from .transport import Transport, TransportError, Work
-
+from reshard.common.dataplane.checksum import P, box_checksum
+from reshard.common.dataplane.transport import Transport, TransportError, Work
+from reshard.common.layout.core import dtype_of
+from reshard.common.plan.planner import Message, Plan, Segment, Side
 
 log = logging.getLogger("reshard.engine")
 

@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from .planner import Plan
+from reshard.common.plan.planner import Plan
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 import grpc
 
-from reshard.common.layout import Layout
-from reshard.common.rpc import keep_task
-from reshard.common.supervisor import CONTROLLER_PID_KEY
+from reshard.common.control.rpc import keep_task
+from reshard.common.control.supervisor import CONTROLLER_PID_KEY
+from reshard.common.layout.core import Layout
+from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
@@ -147,7 +148,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         if sup is not None and not sup.accepts(h.rank, h.pid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"{self.role} rank {h.rank} is held by worker pid {sup.holder(h.rank)}, not pid {h.pid}")
-        # Who adopted it: a worker whose controller died waits for a restarted one (common/supervisor.py).
+        # Who adopted it: a worker whose controller died waits for a restarted one (common/control/supervisor.py).
         await context.send_initial_metadata(((CONTROLLER_PID_KEY, str(os.getpid())),))
         old = self.workers.get(h.rank)
         if old is not None and old.alive:
@@ -202,7 +203,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
             def build() -> tuple[Layout, str, bytes]:
                 lay = merge_rank_layouts(conns)
-                return lay, lay.fingerprint(), lay.to_bytes()
+                return lay, layout_fingerprint(lay), layout_bytes(lay)
 
             self._layout = (gen, asyncio.get_running_loop().run_in_executor(None, build))
         return await asyncio.shield(self._layout[1])
@@ -403,7 +404,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
     """One side's layout, assembled from the rank layouts its workers declared in their hello:
     in columns, each distinct rank layout decoded once (replicas declare the same bytes)."""
-    from .columns import merge_ranks
+    from reshard.common.layout.columns import merge_ranks
 
     parts: list[Layout] = []
     index: dict[bytes, int] = {}
@@ -412,7 +413,7 @@ def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
         k = index.get(c.hello.rank_layout)
         if k is None:
             k = index[c.hello.rank_layout] = len(parts)
-            parts.append(Layout.from_bytes(c.hello.rank_layout))
+            parts.append(layout_from_bytes(c.hello.rank_layout))
         rank_part.append(k)
     return merge_ranks(parts, rank_part)
 
@@ -434,8 +435,8 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     Shutdown: health NOT_SERVING, workers stopped, servers drained."""
     import secrets
 
-    from reshard.common.rpc import start_server, stop_server
-    from reshard.common.supervisor import Supervisor, recorded_worker_token, run_file
+    from reshard.common.control.rpc import start_server, stop_server
+    from reshard.common.control.supervisor import Supervisor, recorded_worker_token, run_file
 
     def register(server):
         add_servicer(server)

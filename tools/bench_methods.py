@@ -30,13 +30,13 @@ from types import SimpleNamespace
 
 import torch
 
-from . import baseline
-from .checksum import P
-from .engine import Engine, StagingPool, receiver_checksums
-from .layout import Layout, dtype_of
-from .planner import Plan, Side
-from .synth import init_box
-from .transport import Transport, Work
+from reshard.common.dataplane.checksum import P
+from reshard.common.dataplane.engine import Engine, StagingPool, receiver_checksums
+from reshard.common.dataplane.transport import Transport, Work
+from reshard.common.layout.core import Layout, dtype_of
+from reshard.common.plan.planner import Plan, Side
+from reshard.tools import baseline
+from reshard.tools.synth import init_box
 
 METHODS = ("reshard", "reshard+verify", "serialized", "broadcast", "ceiling")
 SENTINEL = 0xFF  # as bf16 (0xFFFF) a NaN: synthetic weights never hold one
@@ -414,7 +414,7 @@ def broadcast_windows(t: Transport, me: int, owners: range, receivers: range, wi
 def checksum_op_seconds(n: int = 200) -> float:
     """Fixed cost of one checksum of a small box (a piece's or a segment's), each at its own
     position in a tensor, as the engine and the receivers compute them: seconds."""
-    from .checksum import box_checksum
+    from reshard.common.dataplane.checksum import box_checksum
 
     x = torch.zeros(8, 64, dtype=torch.bfloat16)
     t0 = time.perf_counter()
@@ -425,7 +425,7 @@ def checksum_op_seconds(n: int = 200) -> float:
 
 def checksum_gbps(nbytes: int = 32 << 20, iters: int = 5) -> float:
     """Checksum rate of this process (`box_checksum` over a bf16 matrix), GB/s: the median pass."""
-    from .checksum import box_checksum
+    from reshard.common.dataplane.checksum import box_checksum
 
     cols = 4096
     x = torch.randn(max(1, nbytes // (cols * 2)), cols).to(torch.bfloat16)

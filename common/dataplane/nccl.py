@@ -30,7 +30,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-from .transport import TransportError
+from reshard.common.dataplane.transport import TransportError
 
 log = logging.getLogger("reshard.nccl")
 

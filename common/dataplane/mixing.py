@@ -47,16 +47,3 @@ def flat_indices(offset: tuple[int, ...], size: tuple[int, ...], shape: tuple[in
     return idx.reshape(size) if nd else torch.zeros((), dtype=torch.int64)
 
 
-def row_chunks(size: tuple[int, ...], max_elems: int):
-    """Split a box (given by its size) along dim 0 into chunks of at most ~max_elems elements.
-
-    Yields (row_start, rows)."""
-    if not size:
-        yield 0, 1
-        return
-    row = 1
-    for s in size[1:]:
-        row *= s
-    rows_per = max(1, max_elems // max(1, row))
-    for r in range(0, size[0], rows_per):
-        yield r, min(rows_per, size[0] - r)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .mixing import salt_of
+from reshard.common.dataplane.mixing import salt_of
 
 _BLOCK_ELEMS = 1 << 16
 _LIMIT = 3.0
