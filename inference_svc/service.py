@@ -87,6 +87,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.finished: collections.OrderedDict[str, tuple[pb.FinishUpdateReply | None, str]] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self.epoch = 0  # the newest trainer controller epoch seen: older ones are fenced out
+        self._dumps = 0  # dumps streaming now: at most MAX_CONCURRENT_DUMPS
+        self._dump_buffers: list = []  # (region bytes, coverage) buffers, one per dump streaming at once
 
     # -- state -----------------------------------------------------------------------------
     async def _source_layout(self, req: pb.BeginUpdateRequest) -> tuple[Layout, bytes]:
@@ -459,7 +461,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         st.history.extend(self.history[-20:])
         return st
 
-    _dumps = 0  # dumps streaming now: at most MAX_CONCURRENT_DUMPS
 
     async def Dump(self, req: pb.DumpRequest, context):
         """Stream one canonical tensor, read back from the workers a region (DUMP_REGION_BYTES) at a time:
@@ -508,7 +509,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         start = _v(self.committed)
         # One region's bytes and coverage at a time, in buffers kept for the next dumps (one per dump
         # streaming at once): a dump allocates nothing the size of its tensor.
-        pool = self.__dict__.setdefault("_dump_buffers", [])
+        pool = self._dump_buffers
         bufs = pool.pop() if pool else (torch.empty(DUMP_REGION_BYTES, dtype=torch.uint8),
                                         torch.empty(DUMP_REGION_BYTES, dtype=torch.bool))
         try:

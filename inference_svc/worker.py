@@ -39,7 +39,6 @@ class InferenceWorker(WorkerBase):
     role = "inference"
     side = "dst"
     box_checksum = staticmethod(box_checksum)  # what VERIFY computes per piece (common.checksum)
-    _commit_gen = 0  # the commit generation: odd while `_commit` changes the live weights (see `_read`)
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, mode: str = "shadow",
@@ -63,6 +62,7 @@ class InferenceWorker(WorkerBase):
         self.held = True
         self.updating = False
         self._verifying = ""  # the update this rank was asked to verify, until it commits (or aborts)
+        self._commit_gen = 0  # the commit generation: odd while `_commit` changes the live weights (see `_read`)
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[pb.Version | None]:
