@@ -1,6 +1,10 @@
 """Backend selection and the memory report through the real services (CPU: gloo)."""
 
+import pytest
+
 from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.integration  # starts real services in real processes
 
 
 def test_cpu_workers_report_device_and_memory_and_run_gloo():

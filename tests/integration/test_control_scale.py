@@ -15,6 +15,8 @@ import pytest
 
 from tests.integration.cluster import Cluster, free_port, stop_processes
 
+pytestmark = pytest.mark.integration  # starts real services in real processes
+
 MODEL = "deepseek-v3"
 SRC = "framework=megatron,tp=1,pp=4,dp=32,ep=16"
 DST = "framework=vllm,tp=8,dp=16"

@@ -22,6 +22,8 @@ from reshard.proto import reshard_pb2_grpc as rgrpc
 
 from .cluster import free_port, live_members, stop_processes
 
+pytestmark = pytest.mark.integration  # starts real services in real processes
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
