@@ -583,7 +583,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         take(await asyncio.gather(*(ask(k) for k in chosen), return_exceptions=True))
         while not bool(cv.all()):
             more = [k for k, (_, boxes) in enumerate(holders) if k not in asked and any(
-                not bool(cv[_within(i, region)].all()) for b in boxes if (i := b.intersect(region)) is not None)]
+                not bool(cv[i.slices_in(region)].all()) for b in boxes if (i := b.intersect(region)) is not None)]
             if not more:
                 missing = region.numel - int(cv.count_nonzero())
                 raise _DumpFailed(grpc.StatusCode.UNAVAILABLE, f"tensor {tensor!r}: {missing} elements are not held by {who}"
@@ -617,11 +617,6 @@ def _dump_regions(shape: tuple[int, ...], itemsize: int, limit: int = DUMP_REGIO
     for prefix in itertools.product(*(range(s) for s in shape[:d])):
         for at in range(0, shape[d], n):
             yield Box((*prefix, at, *(0 for _ in shape[d + 1:])), (*(1 for _ in prefix), min(n, shape[d] - at), *shape[d + 1:]))
-
-
-def _within(inner, outer) -> tuple[slice, ...]:
-    """The slices of box `inner` inside box `outer` (which contains it)."""
-    return tuple(slice(o - oo, o - oo + s) for o, oo, s in zip(inner.offset, outer.offset, inner.size))
 
 
 def _contains(outer, inner) -> bool:
@@ -665,7 +660,7 @@ def _dump_plans(layout: Layout, conns: list[WorkerConn], tensor: str, rank: int 
         else:  # holders whose parts overlap without one containing the other
             mask = torch.zeros(region.size, dtype=torch.bool)
             for i, _ in have:
-                mask[_within(i, region)] = True
+                mask[i.slices_in(region)] = True
             covered = int(mask.count_nonzero())  # (a sum would widen the mask to int64)
         missing += region.numel - covered
         plans.append((region, chosen))
@@ -703,8 +698,8 @@ def _place(pieces: list[wpb.ReadPiece], region, reg, cv, dtype) -> list[pb.Versi
             inter = sub.intersect(region)
             if inter is None or inter.numel == 0:
                 continue
-            dst = _within(inter, region)
-            reg[dst] = part[_within(inter, sub)]
+            dst = inter.slices_in(region)
+            reg[dst] = part[inter.slices_in(sub)]
             cv[dst] = True
     return versions
 

@@ -227,8 +227,7 @@ class InferenceWorker(WorkerBase):
                 inter = p.box.intersect(region)
                 if inter is None or inter.numel == 0:
                     continue
-                rel = tuple(slice(o - po, o - po + n) for o, po, n in zip(inter.offset, p.box.offset, inter.size))
-                out.append((inter, p.view(self.live[name])[rel]))
+                out.append((inter, p.view(self.live[name])[inter.slices_in(p.box)]))
         return out
 
     def _refuse_inplace(self) -> None:

@@ -218,8 +218,8 @@ class RankBench:
                     inter = p.box.intersect(it.box)
                     if inter is None:
                         continue
-                    rel = tuple(slice(i - b, i - b + s) for i, b, s in zip(inter.offset, it.box.offset, inter.size))
-                    dst_rel = tuple(slice(i - b, i - b + s) for i, b, s in zip(inter.offset, p.box.offset, inter.size))
+                    rel = inter.slices_in(it.box)
+                    dst_rel = inter.slices_in(p.box)
                     p.view(self.buffers[bname])[dst_rel].copy_(whole[rel])
         return Outcome(bytes=received, extra_bytes=sum(t.numel() for t in scratch.values()))
 

@@ -366,15 +366,10 @@ def _limited(handler, method: str, limit: int):
             return await behavior(await first(request, context), context)
         return call
 
-    kw = {"request_deserializer": checked, "response_serializer": handler.response_serializer}
     rs, ss = handler.request_streaming, handler.response_streaming
-    if rs and ss:
-        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, rs, ss), **kw)
-    if rs:
-        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, rs, ss), **kw)
-    if ss:
-        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, rs, ss), **kw)
-    return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, rs, ss), **kw)
+    behavior = {(True, True): handler.stream_stream, (True, False): handler.stream_unary,
+                (False, True): handler.unary_stream, (False, False): handler.unary_unary}[rs, ss]
+    return _handler_like(handler, wrap(behavior, rs, ss), checked)
 
 
 def _refuse(handler, code: grpc.StatusCode, message: str):
@@ -386,14 +381,15 @@ def _refuse(handler, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
         yield  # pragma: no cover - never reached: abort raises
 
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    return _handler_like(handler, streaming if handler.response_streaming else unary, handler.request_deserializer)
+
+
+def _handler_like(handler, behavior, request_deserializer):
+    """A method handler of `handler`'s kind (streaming requests, responses) running `behavior`."""
+    make = {(True, True): grpc.stream_stream_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler, (False, False): grpc.unary_unary_rpc_method_handler}
+    return make[handler.request_streaming, handler.response_streaming](
+        behavior, request_deserializer=request_deserializer, response_serializer=handler.response_serializer)
 
 
 class _BearerToken:

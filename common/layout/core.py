@@ -95,6 +95,10 @@ class Box:
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.size))
 
+    def slices_in(self, outer: Box) -> tuple[slice, ...]:
+        """This box's slices relative to `outer` (which contains it)."""
+        return tuple(slice(o - oo, o - oo + s) for o, oo, s in zip(self.offset, outer.offset, self.size))
+
     def contiguous_range(self, shape: Sequence[int]) -> tuple[int, int] | None:
         """(start, numel) in the row-major flat index space of `shape`, if contiguous."""
         dims = len(shape)

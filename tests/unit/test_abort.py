@@ -186,3 +186,20 @@ def test_nccl_abort_while_joining():
     assert time.monotonic() - t0 < 1.0
     aborter.join(5)
     assert lib.aborted == 1
+
+
+def test_a_session_is_joined_only_under_its_secret(store):
+    """Keys live under the session's secret: a process that knows the session id but not the key
+    meets nobody (and its error does not leak the key); one with the key joins."""
+    key = "f" * 32
+    joined: list[object] = []
+    first = threading.Thread(target=lambda: joined.append(GlooTransport("127.0.0.1", store.port, "s5", 0, 2, 6.0, key=key)))
+    first.start()
+    with pytest.raises(TransportError) as e:
+        GlooTransport("127.0.0.1", store.port, "s5", 1, 2, 1.5)  # the session id alone
+    assert key not in str(e.value)
+    second = GlooTransport("127.0.0.1", store.port, "s5", 1, 2, 6.0, key=key)
+    first.join(10)
+    assert len(joined) == 1
+    for t in (joined[0], second):
+        t.close()
