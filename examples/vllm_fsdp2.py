@@ -1,0 +1,164 @@
+"""An RL loop in one file: an FSDP2 trainer (2 ranks, gloo) trains a small Llama and, after
+every step, pushes its weights through reshard straight into vLLM (tensor parallel 2), which
+then generates with them.
+
+    python examples/vllm_fsdp2.py                 # starts its own reshard controllers
+    python examples/vllm_fsdp2.py --json out.json --save-weights DIR
+
+What the user code does, on each side:
+  trainer ranks: worker = TrainerWorker.from_module(WORKERS, model); ...; worker.publish(step).wait()
+  vLLM:          LLM(..., weight_transfer_config={"backend": "reshard"})
+                 llm.init_weight_transfer_engine({"init_info": {"controller": WORKERS}})
+                 reshard.integrations.vllm.update(llm, step)
+The reshard controllers are two services (`reshard trainer`, `reshard inference`); this script
+starts them on this host, as a deployment runs them beside the trainer and the server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+# vLLM's CPU build on a small machine (a GPU deployment sets none of these).
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+CONFIG = {  # a small Llama: KV heads replicated under TP 2, a vocabulary padded from 1000 to 1024
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 1000,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+PROMPTS = [[1, 17, 33, 250, 999, 4], [1, 500, 2, 3], [1] + list(range(100, 140))]
+
+
+def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, steps: int, save: str, go, done) -> None:
+    """One FSDP2 rank: when told to, a training step, then publish; `steps` times."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reshard.integrations.dtensor import full_state
+    from reshard.trainer_svc.worker import TrainerWorker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    worker = TrainerWorker.from_module(workers, model, run="rl").start()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        go.get()  # the driver's turn: rollouts with the previous version are done
+        batch = torch.randint(0, CONFIG["vocab_size"], (4, 32), generator=gen)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        handle = worker.publish(step)
+        if not handle.wait(300):
+            raise RuntimeError(f"trainer rank {rank}: step {step} was not taken within 300 s")
+        full = full_state(model)  # a reference for the checks (a collective); not part of an update
+        if save and rank == 0:
+            torch.save(full, os.path.join(save, f"step{step}.pt"))
+        if rank == 0:
+            done.put((step, float(loss)))
+    worker.stop()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_controllers(tmp: str, tp: int, world: int) -> tuple[list[subprocess.Popen], str, str]:
+    """`reshard inference` and `reshard trainer`, both waiting for embedded workers."""
+    inf, inf_w, tr_w = f"127.0.0.1:{free_port()}", f"unix:{tmp}/inference-workers.sock", f"unix:{tmp}/trainer-workers.sock"
+    cmd = [sys.executable, "-m", "reshard.cli"]
+    log = open(os.path.join(tmp, "controllers.log"), "w")
+    procs = [subprocess.Popen([*cmd, "inference", "--listen", inf, "--external-workers", "--workers", str(tp),
+                               "--worker-listen", inf_w, "--model", "llama-small"], stdout=log, stderr=log),
+             subprocess.Popen([*cmd, "trainer", "--listen", f"127.0.0.1:{free_port()}", "--external-workers",
+                               "--workers", str(world), "--worker-listen", tr_w, "--inference", inf, "--run", "rl",
+                               "--model", "llama-small"], stdout=log, stderr=log)]
+    return procs, inf_w, tr_w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
+    args = ap.parse_args()
+
+    import torch.multiprocessing as mp
+    from vllm import LLM, SamplingParams
+
+    from reshard.integrations.vllm import update
+
+    tmp = tempfile.mkdtemp(prefix="reshard-example-")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    world, tp = 2, 2
+    procs, inf_workers, tr_workers = start_controllers(tmp, tp, world)
+    ctx = mp.get_context("spawn")
+    go, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
+    port = free_port()
+    trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, args.steps, args.save_weights, go[r], done))
+                for r in range(world)]
+    results = {"updates": []}
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model=tmp, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+                  max_model_len=256, max_num_seqs=8, seed=0, weight_transfer_config={"backend": "reshard"})
+        llm.init_weight_transfer_engine({"init_info": {"controller": inf_workers}})
+        results["engine_start_seconds"] = time.perf_counter() - t0
+        for p in trainers:
+            p.start()
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
+        for _ in range(args.steps):
+            for g in go:
+                g.put(True)  # train one step and publish it
+            step, loss = done.get(timeout=600)  # the trainer published it
+            t1 = time.perf_counter()
+            version = update(llm, step)  # waits until every vLLM rank has it, then serves it
+            seconds = time.perf_counter() - t1
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+            gens = [{"tokens": list(o.outputs[0].token_ids),
+                     "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                    for o in outs]
+            results["updates"].append({"step": step, "version": version, "loss": loss, "seconds": seconds,
+                                       "weight_version": llm.get_weight_version(), "generations": gens})
+            print(f"step {step}: loss {loss:.4f}, vLLM serves version {version} ({seconds:.3f} s), "
+                  f"tokens {gens[0]['tokens']}", flush=True)
+        for p in trainers:
+            p.join(120)
+        results["prompts"], results["config"] = PROMPTS, CONFIG
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f)
+        llm.shutdown_weight_transfer_engine()
+        del llm
+    finally:
+        for p in trainers:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""A trainer rank's layout read from a live PyTorch module: parameters that are DTensors (FSDP2's
+`fully_shard`, tensor parallel through `parallelize_module`, 2-D meshes) or plain tensors
+(replicated, as under DDP).
+
+Each parameter is one local buffer: the rank's local shard, which the optimizer updates in place,
+so the worker sends the current weights at every publish without a copy. Its box in the canonical
+tensor follows from the DTensor's mesh, placements and this rank's mesh coordinate, split as
+DTensor splits (`torch.chunk`: ceil-sized shards, the last short or empty). Empty shards hold
+nothing and get no buffer."""
+
+from __future__ import annotations
+
+import torch
+
+from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
+from reshard.common.layout.placement import Replicate, Shard, expand
+from reshard.integrations.names import Names, canonical_name
+
+
+def _placements(name: str, placements) -> tuple:
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+
+    out = []
+    for p in placements:
+        if type(p) is TShard:
+            out.append(Shard(p.dim))
+        elif isinstance(p, TReplicate):
+            out.append(Replicate())
+        else:  # Partial (a pending reduction), _StridedShard (FSDP2 over a TP-sharded dim)
+            raise LayoutError(f"parameter {name!r}: placement {type(p).__name__} ({p}) is not supported (Shard and Replicate are)")
+    return tuple(out)
+
+
+def module_layout(module: torch.nn.Module, *, names: Names = None, rank: int | None = None,
+                  world: int | None = None) -> tuple[int, int, dict[str, TensorSpec], dict[str, tuple[LocalBuffer, torch.Tensor]]]:
+    """(rank, world, canonical tensors, buffers) of this process's rank. `rank` and `world`
+    default to torch.distributed's; parameter names become canonical through `names` (a function
+    or a mapping; see `reshard.integrations.names`). Tied parameters count once."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if rank is None or world is None:
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized: pass rank and world")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    tensors: dict[str, TensorSpec] = {}
+    buffers: dict[str, tuple[LocalBuffer, torch.Tensor]] = {}
+    for pname, p in module.named_parameters():  # tied parameters once
+        name = canonical_name(pname, names)
+        if name in tensors:
+            raise LayoutError(f"parameters {pname!r} and another both map to canonical name {name!r}")
+        data = p if isinstance(p, DTensor) else p.data
+        dtype = str(p.dtype).removeprefix("torch.")
+        if isinstance(data, DTensor):
+            mesh = data.device_mesh
+            where = (mesh.mesh == rank).nonzero()  # this rank's coordinate in the parameter's mesh
+            tensors[name] = TensorSpec(name, tuple(data.shape), dtype)
+            if not len(where):  # this rank is outside the parameter's mesh
+                continue
+            coord = tuple(int(i) for i in where[0])
+            box = expand(data.shape, tuple(mesh.shape), _placements(pname, data.placements), name)[coord]
+            local = data._local_tensor.detach()  # the storage the optimizer updates in place
+        else:
+            tensors[name] = TensorSpec(name, tuple(data.shape), dtype)
+            box, local = Box.full(tuple(data.shape)), data.detach()
+        if box.numel == 0:
+            continue
+        if tuple(local.shape) != box.size:
+            raise LayoutError(f"parameter {pname!r}: local shard is {tuple(local.shape)}, its placements give {box.size}")
+        if not local.is_contiguous():
+            raise LayoutError(f"parameter {pname!r}: its local shard is not contiguous")
+        buffers[name] = (LocalBuffer(name, box.size, dtype, (Piece(name, Box.full(box.size), box),)), local)
+    if not tensors:
+        raise LayoutError(f"{type(module).__name__} has no parameters")
+    if not buffers:
+        raise LayoutError(f"rank {rank} holds no part of any parameter of {type(module).__name__}")
+    return rank, world, tensors, buffers
+
+
+def full_state(module: torch.nn.Module, names: Names = None) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole, by canonical name (a collective: call on every rank).
+    For checks and references, not for updates."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for pname, p in module.named_parameters():
+        data = p if isinstance(p, DTensor) else p.data
+        out[canonical_name(pname, names)] = (data.full_tensor() if isinstance(data, DTensor) else data).detach().clone()
+    return out
+

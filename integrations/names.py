@@ -1,0 +1,48 @@
+"""Canonical tensor names: Hugging Face checkpoint names, the one vocabulary both sides agree on.
+
+A trainer holding a Hugging Face model (plain, FSDP2, tensor parallel) names its parameters
+canonically already, up to the wrapper prefixes that torch.compile, activation checkpointing
+and FSDP1 insert. Serving engines fuse some of them (vLLM's `qkv_proj` holds q, k and v;
+`gate_up_proj` holds gate and up): `FUSED` says which, in the order they are stacked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+# Fused module -> the canonical modules it stacks along its output rows, in order
+# (vLLM's `packed_modules_mapping` of its Llama-family models says the same).
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+# Prefixes wrappers put in front of parameter names; they are not part of the model's names.
+WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
+
+Names = Callable[[str], str] | Mapping[str, str] | None
+
+
+def strip_wrappers(name: str) -> str:
+    """`model._orig_mod.layers.0._checkpoint_wrapped_module.mlp...` -> `model.layers.0.mlp...`."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
+
+
+def canonical_name(name: str, names: Names = None) -> str:
+    """The canonical name of a parameter: `names` (a function or a mapping of the names that
+    differ) applied after the wrapper prefixes are stripped."""
+    name = strip_wrappers(name)
+    if names is None:
+        return name
+    if callable(names):
+        return names(name)
+    return names.get(name, name)
+
+
+def unfused(module_name: str, fused: Mapping[str, tuple[str, ...]] | None = None) -> tuple[str, ...] | None:
+    """The canonical module names a fused module stacks (`...self_attn.qkv_proj` ->
+    `...self_attn.q_proj`, `...k_proj`, `...v_proj`), or None when it is not fused."""
+    prefix, _, last = module_name.rpartition(".")
+    parts = (fused or FUSED).get(last)
+    if parts is None:
+        return None
+    return tuple(f"{prefix}.{p}" if prefix else p for p in parts)

@@ -1,0 +1,233 @@
+"""The `reshard` weight-transfer engine, built by vLLM in each of its worker processes.
+
+On `init_weight_transfer_engine` it reads this rank's layout from the live model and attaches an
+InferenceWorker to the reshard inference controller named in the init info. From then on the
+trainer's updates land on this rank straight from the trainer ranks that hold its slices, into a
+staging copy of this rank's weights, verified (checksums) and committed by the controller as
+on any reshard deployment, while vLLM keeps serving.
+
+vLLM's own calls then make the engine serve a committed version:
+
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"step": 7}})   # waits until step 7 is committed here
+    llm.finish_weight_update(weight_version="run:7")
+    llm.reset_prefix_cache()
+
+(`reshard.integrations.vllm.update(llm, step)` makes those calls.) `update_weights` loads the
+staged weights into the model through vLLM's layerwise reload, so what vLLM derives from weights
+after loading (repacked CPU GEMM weights, MoE prepacking) is rebuilt. If it fails, every layer
+gets its previous kernel weights back and vLLM keeps serving the version it served."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from reshard.common.control.security import Security
+from reshard.inference_svc.worker import InferenceWorker
+from reshard.integrations.vllm.layout import RankLayout, rank_layout
+from reshard.proto import worker_pb2 as wpb
+
+log = logging.getLogger("reshard.vllm")
+
+
+@dataclasses.dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    controller: str = ""
+    """The reshard inference controller's worker listener: HOST:PORT or unix:/PATH."""
+    token: str = ""
+    """The worker token; empty: RESHARD_TOKEN_WORKER / RESHARD_TOKEN_FILE of the vLLM process."""
+    tls_ca: str = ""
+    """The CA that signs the controller's certificate (TLS); empty: RESHARD_TLS_CA."""
+    connect_timeout: float = 60.0
+    """Seconds to wait for the controller to accept this rank."""
+    timeout: float = 600.0
+    """Default seconds an `update_weights` waits for its version."""
+    mode: str = "inplace"
+    """Staging: `inplace` (one staging copy; a failed transfer leaves it torn until a full update,
+    while vLLM serves what it loaded) or `shadow` (two copies: the staging copy always holds the
+    last committed version)."""
+    run: str = ""
+    """The training run whose versions this deployment takes; empty: the trainer's."""
+
+
+@dataclasses.dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    step: int = -1
+    """Serve this step (or a newer one, if it was committed meanwhile); -1: the newest committed."""
+    run: str = ""
+    timeout: float = 0.0
+    """Seconds to wait for it; 0: the init info's timeout."""
+    exact: bool = False
+    """Serve exactly `step`: fail if a newer step was committed before it was asked for."""
+
+
+class _Worker(InferenceWorker):
+    """An InferenceWorker that remembers which tensors each committed update carried."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.dirty: set[str] | None = set()  # canonical tensors committed since the last load; None: all
+        self._carrying: set[str] | None = None
+
+    def before_transfer(self, p: wpb.Prepare) -> None:
+        self._carrying = set(p.tensors) if p.tensors else None
+        super().before_transfer(p)
+
+    def _commit(self, version) -> None:
+        super()._commit(version)
+        if self._carrying is None or self.dirty is None:
+            self.dirty = None
+        else:
+            self.dirty |= self._carrying
+
+
+class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise NotImplementedError("the reshard backend does not support pipeline parallelism yet")
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.rank, self.world = get_tensor_model_parallel_rank(), pc.tensor_parallel_size
+        self.worker: _Worker | None = None
+        self.layout: RankLayout | None = None
+        self.known: set[str] = set()  # buffers whose staging copy holds the weights vLLM serves
+        self.loaded: tuple[str, int] | None = None  # (run, step) loaded into the model
+        self.info: ReshardInitInfo | None = None
+
+    # -- vLLM's calls ------------------------------------------------------------------
+    def init_transfer_engine(self, info: ReshardInitInfo) -> None:
+        if not info.controller:
+            raise ValueError("the reshard backend's init info needs `controller`: the inference controller's "
+                             "worker listener (HOST:PORT or unix:/PATH)")
+        if self.worker is not None:
+            self.shutdown()
+        self.info = info
+        self.layout = layout = rank_layout(self.model)
+        live = {}
+        for b in layout.buffers:
+            live[b.name] = self._initial(b)
+        security = Security.from_env(**({"ca": info.tls_ca} if info.tls_ca else {}))
+        if info.token:
+            security = dataclasses.replace(security, tokens=(("worker", info.token),))
+        self.worker = _Worker(info.controller, self.rank, self.world, layout.tensors,
+                              {b.name: (b, live[b.name]) for b in layout.buffers}, mode=info.mode,
+                              model=type(self.model).__name__, security=security).start()
+        if not self.worker.wait_connected(info.connect_timeout):
+            err = self.worker.last_error
+            self.worker.stop()
+            self.worker = None
+            raise RuntimeError(f"vLLM rank {self.rank}: the reshard inference controller at {info.controller} did not "
+                               f"accept this rank within {info.connect_timeout:.0f}s" + (f": {err}" if err else ""))
+        log.info("vLLM rank %d/%d attached to %s: %d buffers, %.1f MB", self.rank, self.world, info.controller,
+                 len(layout.buffers), sum(b.nbytes for b in layout.buffers) / 1e6)
+
+    def start_weight_update(self) -> None:
+        self._need_worker()
+
+    def receive_weights(self, info: ReshardUpdateInfo) -> None:
+        w = self._need_worker()
+        timeout = info.timeout or self.info.timeout
+        run = info.run or self.info.run or None
+        version = w.wait_for_version(max(info.step, 0), run, timeout)
+        if version is None:
+            held = w.version
+            raise TimeoutError(
+                f"vLLM rank {self.rank}: step {info.step}{f' of run {run}' if run else ''} was not committed here "
+                f"within {timeout:.0f}s (this rank holds {f'{held.run}:{held.step}' if held else 'no version'}"
+                f"{'' if w.serving_ok else ', torn by a failed in-place transfer'}"
+                f"{f'; last error: {w.last_error}' if w.last_error else ''}); vLLM keeps serving what it served")
+        with w.serving() as v:  # a commit of a newer version waits until the copy is done
+            if v is None:
+                raise RuntimeError(f"vLLM rank {self.rank}: the reshard deployment holds this rank (not serving)")
+            if info.exact and v.step != info.step:
+                raise RuntimeError(f"vLLM rank {self.rank}: step {info.step} was superseded by step {v.step} before "
+                                   f"vLLM asked for it; ask for step {v.step} (or -1: the newest)")
+            t0 = time.perf_counter()
+            n = self._load(w.dirty)
+            w.dirty = set()
+            self.loaded = (v.run, v.step)
+        log.info("vLLM rank %d: loaded %s:%d into the model (%d modules, %.3fs)", self.rank, v.run, v.step, n,
+                 time.perf_counter() - t0)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+    # -- helpers -------------------------------------------------------------------------
+    def _need_worker(self) -> _Worker:
+        if self.worker is None:
+            raise RuntimeError("the reshard weight-transfer engine is not initialized: call "
+                               "init_weight_transfer_engine({'init_info': {'controller': ...}}) first")
+        return self.worker
+
+    def _initial(self, b) -> torch.Tensor:
+        """A staging buffer, holding the model's current weights where they can be read (a CPU
+        linear layer's weight is repacked after loading and cannot)."""
+        t = torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=self.device)
+        target = next(x for x in self.layout.targets if x.buffer == b.name)
+        live = getattr(self.model.get_submodule(target.module), target.param)
+        if tuple(live.shape) == b.shape and live.dtype == t.dtype:
+            t.copy_(live.detach())
+            self.known.add(b.name)
+        return t
+
+    @torch.no_grad()
+    def _load(self, dirty: set[str] | None) -> int:
+        """Load the staged weights of every module holding a tensor in `dirty` (None: all)
+        through vLLM's layerwise reload; on failure every module gets its kernel weights back."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        layout, staged = self.layout, self.worker.live
+        bufs = {b.name: b for b in layout.buffers}
+        by_module: dict[str, list] = {}
+        for t in layout.targets:
+            by_module.setdefault(t.module, []).append(t)
+        todo = [m for m, ts in by_module.items()
+                if dirty is None or any(p.tensor in dirty for t in ts for p in bufs[t.buffer].pieces)]
+        def fresh(buf: str) -> bool:
+            return dirty is None or any(p.tensor in dirty for p in bufs[buf].pieces)
+
+        unknown = sorted({t.buffer for m in todo for t in by_module[m] if t.buffer not in self.known and not fresh(t.buffer)})
+        if unknown:
+            raise RuntimeError(f"vLLM rank {self.rank}: a partial update reached module(s) whose other weights "
+                               f"reshard never received, e.g. {unknown[0]!r}: send a full update first")
+        touched_moe = []
+        initialize_layerwise_reload(self.model)
+        try:
+            for m in todo:
+                layer = self.model.get_submodule(m)
+                info = get_layerwise_info(layer)
+                materialize_layer(layer, info)
+                for t in by_module[m]:
+                    getattr(layer, t.param).data.copy_(staged[t.buffer])
+                    self.known.add(t.buffer)
+                _layerwise_process(layer, info)
+                if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:
+                    touched_moe.append(layer)
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
+        for layer in touched_moe if torch.device(self.device).type == "cpu" else ():
+            # vLLM's CPU MoE skips its prepack on a reload (0.32): redo it for the layers loaded
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        return len(todo)

@@ -1,0 +1,158 @@
+"""One vLLM rank's layout, read from its live model: no user description.
+
+Every parameter vLLM loads becomes one local buffer, named as vLLM names it, in the shape vLLM's
+weight loaders write (before `process_weights_after_loading` repacks it: vLLM records that
+shape for its layerwise reload). Its pieces say which boxes of which canonical (Hugging Face)
+tensors it holds:
+
+- `QKVParallelLinear`: this rank's query heads, then its KV heads (the KV shard
+  `tp_rank // num_kv_head_replicas`: KV heads are replicated when TP exceeds them);
+- `MergedColumnParallelLinear` (`gate_up_proj`): this rank's rows of each stacked tensor;
+- `ColumnParallelLinear` / `RowParallelLinear`: rows / columns of rank `tp_rank`;
+- `VocabParallelEmbedding`, `ParallelLMHead`: this rank's vocabulary rows; the rows that pad
+  the vocabulary to a multiple are padding;
+- anything else (norms, `ReplicatedLinear`): the whole tensor.
+
+A parameter shared by two modules (tied embeddings: `lm_head` holds `embed_tokens`'s weight)
+is one buffer; both modules are targets of it, since each derives its own kernel data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
+from reshard.integrations.names import unfused
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A parameter of the live model that a buffer's contents are loaded into."""
+
+    module: str
+    param: str
+    buffer: str
+
+
+@dataclasses.dataclass
+class RankLayout:
+    tensors: dict[str, TensorSpec]
+    buffers: list[LocalBuffer]
+    targets: list[Target]
+
+    def modules(self) -> list[str]:
+        return list(dict.fromkeys(t.module for t in self.targets))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _loadable_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters in the shape its weight loaders write (meta tensors recorded
+    at load time for vLLM's layerwise reload), else the live ones."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    recorded = info.restore_metadata[0] if info is not None else {}
+    live = {n: p for n, p in module.named_parameters(recurse=False) if p is not None}
+    if recorded:
+        return {n: t for n, t in recorded.items() if n in live}
+    return live
+
+
+def _rows(tensor: str, buf_row: int, row: int, rows: int, rest: tuple[int, ...]) -> Piece:
+    z = (0,) * len(rest)
+    return Piece(tensor, Box((buf_row, *z), (rows, *rest)), Box((row, *z), (rows, *rest)))
+
+
+def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[int, ...],
+                  add: callable) -> tuple[list[Piece], list[Box]]:
+    """(pieces, padding) of one parameter; `add(name, shape)` declares a canonical tensor."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    tp_size, tp_rank = getattr(module, "tp_size", 1), getattr(module, "tp_rank", 0)
+    rest = shape[1:]
+    if isinstance(module, QKVParallelLinear):
+        q, k, v = unfused(mname, {mname.rpartition(".")[2]: ("q_proj", "k_proj", "v_proj")})
+        d, dv = module.head_size, module.v_head_size
+        nq, nkv = module.num_heads, module.num_kv_heads
+        kv_shard = tp_rank // module.num_kv_head_replicas
+        parts = [(q, module.total_num_heads * d, tp_rank * nq * d, nq * d),
+                 (k, module.total_num_kv_heads * d, kv_shard * nkv * d, nkv * d),
+                 (v, module.total_num_kv_heads * dv, kv_shard * nkv * dv, nkv * dv)]
+        pieces, at = [], 0
+        for name, total, row, rows in parts:
+            add(f"{name}.{pname}", (total, *rest))
+            pieces.append(_rows(f"{name}.{pname}", at, row, rows, rest))
+            at += rows
+        return pieces, []
+    if isinstance(module, MergedColumnParallelLinear):
+        names = unfused(mname)
+        if names is None or len(names) != len(module.output_sizes):
+            raise LayoutError(f"{mname}: a fused module of {len(module.output_sizes)} parts with no canonical names "
+                              "(add it to reshard.integrations.names.FUSED)")
+        pieces, at = [], 0
+        for name, total in zip(names, module.output_sizes):
+            rows = total // tp_size
+            add(f"{name}.{pname}", (total, *rest))
+            pieces.append(_rows(f"{name}.{pname}", at, tp_rank * rows, rows, rest))
+            at += rows
+        return pieces, []
+    canonical = f"{mname}.{pname}"
+    if isinstance(module, VocabParallelEmbedding):
+        if module.num_added_embeddings:
+            raise LayoutError(f"{mname}: added (LoRA) vocabulary is not supported")
+        si = module.shard_indices
+        rows = si.org_vocab_end_index - si.org_vocab_start_index
+        add(canonical, (module.org_vocab_size, *rest))
+        pad = [Box((rows, *(0,) * len(rest)), (shape[0] - rows, *rest))] if shape[0] > rows else []
+        return [_rows(canonical, 0, si.org_vocab_start_index, rows, rest)] if rows else [], pad
+    if isinstance(module, ColumnParallelLinear) and tp_size > 1:
+        add(canonical, (shape[0] * tp_size, *rest))
+        return [_rows(canonical, 0, tp_rank * shape[0], shape[0], rest)], []
+    if isinstance(module, RowParallelLinear) and tp_size > 1 and len(shape) == 2:
+        add(canonical, (shape[0], shape[1] * tp_size))
+        return [Piece(canonical, Box((0, 0), shape), Box((0, tp_rank * shape[1]), shape))], []
+    add(canonical, shape)
+    return [Piece(canonical, Box.full(shape), Box.full(shape))], []
+
+
+def rank_layout(model: torch.nn.Module) -> RankLayout:
+    """This rank's buffers, their canonical tensors, and the parameters they load into."""
+    tensors: dict[str, TensorSpec] = {}
+    buffers: list[LocalBuffer] = []
+    targets: list[Target] = []
+    owner: dict[int, str] = {}  # id of a live parameter -> its buffer (tied parameters share one)
+
+    for mname, module in model.named_modules():
+        params = _loadable_params(module)
+        for pname, meta in params.items():
+            live = module._parameters[pname]
+            key = id(live)
+            if key in owner:
+                targets.append(Target(mname, pname, owner[key]))
+                continue
+            shape = tuple(meta.shape)
+            dtype = _dtype(meta)
+
+            def add(name: str, tshape: tuple[int, ...], dtype: str = dtype) -> None:
+                spec = TensorSpec(name, tuple(tshape), dtype)
+                if tensors.setdefault(name, spec) != spec:
+                    raise LayoutError(f"canonical tensor {name!r} read as {tensors[name]} and as {spec}")
+
+            pieces, padding = _param_pieces(mname, module, pname, shape, add)
+            bname = f"{mname}.{pname}"
+            owner[key] = bname
+            buffers.append(LocalBuffer(bname, shape, dtype, tuple(pieces), tuple(padding)))
+            targets.append(Target(mname, pname, bname))
+    if not buffers:
+        raise LayoutError(f"{type(model).__name__}: no loadable parameters found")
+    return RankLayout(tensors, buffers, targets)
