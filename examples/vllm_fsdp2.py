@@ -28,16 +28,20 @@ import time
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-CONFIG = {  # a small Llama: KV heads replicated under TP 2, a vocabulary padded from 1000 to 1024
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 1000,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-    "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+COMMON = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 64,
+          "vocab_size": 1000, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+CONFIGS = {
+    # KV heads replicated under TP 2; a vocabulary padded from 1000 to 1024 rows.
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 1, **COMMON},
+    # 4 stacked experts (top 2), split by intermediate rows under TP 2.
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_key_value_heads": 2,
+                "num_local_experts": 4, "num_experts_per_tok": 2, **COMMON},
 }
 PROMPTS = [[1, 17, 33, 250, 999, 4], [1, 500, 2, 3], [1] + list(range(100, 140))]
 
 
-def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, steps: int, save: str, go, done) -> None:
+def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, vocab: int, steps: int, save: str, go, done) -> None:
     """One FSDP2 rank: when told to, a training step, then publish; `steps` times."""
     import torch
     import torch.distributed as dist
@@ -60,7 +64,7 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, step
     gen = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
         go.get()  # the driver's turn: rollouts with the previous version are done
-        batch = torch.randint(0, CONFIG["vocab_size"], (4, 32), generator=gen)
+        batch = torch.randint(0, vocab, (4, 32), generator=gen)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()
@@ -98,6 +102,7 @@ def start_controllers(tmp: str, tp: int, world: int) -> tuple[list[subprocess.Po
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
@@ -110,23 +115,24 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="reshard-example-")
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(CONFIG, f)
+        json.dump(CONFIGS[args.model], f)
     world, tp = 2, 2
     procs, inf_workers, tr_workers = start_controllers(tmp, tp, world)
     ctx = mp.get_context("spawn")
     go, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
     port = free_port()
-    trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, args.steps, args.save_weights, go[r], done))
+    trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, COMMON["vocab_size"], args.steps, args.save_weights, go[r], done))
                 for r in range(world)]
     results = {"updates": []}
     try:
+        for p in trainers:  # they build their model and attach while vLLM starts; they train when told to
+            p.start()
         t0 = time.perf_counter()
         llm = LLM(model=tmp, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
-                  max_model_len=256, max_num_seqs=8, seed=0, weight_transfer_config={"backend": "reshard"})
+                  max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
+                  weight_transfer_config={"backend": "reshard"})
         llm.init_weight_transfer_engine({"init_info": {"controller": inf_workers}})
         results["engine_start_seconds"] = time.perf_counter() - t0
-        for p in trainers:
-            p.start()
         greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
         for _ in range(args.steps):
             for g in go:
@@ -145,7 +151,7 @@ def main() -> None:
                   f"tokens {gens[0]['tokens']}", flush=True)
         for p in trainers:
             p.join(120)
-        results["prompts"], results["config"] = PROMPTS, CONFIG
+        results["prompts"], results["config"] = PROMPTS, CONFIGS[args.model]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f)

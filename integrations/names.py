@@ -16,6 +16,27 @@ FUSED: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 
+# Stacked experts: vLLM's parameter of a fused-MoE module -> the canonical (transformers) tensor it
+# holds, and how: `w13_weight` [local experts, 2 * I / tp, H] holds this rank's rows of the gate
+# half then of the up half of `gate_up_proj` [E, 2 * I, H]; `w2_weight` [local experts, H, I / tp]
+# holds its columns of `down_proj` [E, H, I].
+MOE_STACKED: dict[str, str] = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+
+# vLLM module paths that differ from transformers' in-memory ones, by architecture.
+VLLM_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."),),
+}
+VLLM_DROP_PARTS = ("routed_experts",)  # vLLM's inner module of a fused-MoE layer
+
+
+def vllm_module_name(architecture: str, module_name: str) -> str:
+    """A vLLM module's canonical (transformers) path."""
+    name = ".".join(p for p in module_name.split(".") if p not in VLLM_DROP_PARTS)
+    for old, new in VLLM_RENAMES.get(architecture, ()):
+        name = name.replace(old, new)
+    return name
+
+
 # Prefixes wrappers put in front of parameter names; they are not part of the model's names.
 WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module")
 

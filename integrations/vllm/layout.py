@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
-from reshard.integrations.names import unfused
+from reshard.integrations.names import MOE_STACKED, unfused, vllm_module_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +67,49 @@ def _rows(tensor: str, buf_row: int, row: int, rows: int, rest: tuple[int, ...])
     return Piece(tensor, Box((buf_row, *z), (rows, *rest)), Box((row, *z), (rows, *rest)))
 
 
+def _expert_runs(module: torch.nn.Module) -> list[tuple[int, int, int]]:
+    """(local index, global index, count) runs of the experts this rank holds."""
+    emap = module.expert_map
+    if emap is None:
+        return [(0, 0, module.local_num_experts)]
+    glob = sorted((int(j), g) for g, j in enumerate(emap.tolist()) if j >= 0)
+    runs: list[tuple[int, int, int]] = []
+    for j, g in glob:
+        if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == g:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((j, g, 1))
+    return runs
+
+
+def _expert_pieces(cname: str, module: torch.nn.Module, pname: str, shape: tuple[int, ...], add: callable) -> list[Piece]:
+    """Stacked experts (see `names.MOE_STACKED`), under TP (intermediate split) or EP (experts split)."""
+    cfg = module.moe_config
+    tp_rank, ip = cfg.tp_rank, module.intermediate_size_per_partition
+    e, hidden, inter = module.global_num_experts, module.hidden_size, module.intermediate_size_per_partition * cfg.tp_size
+    tensor = f"{cname}.{MOE_STACKED[pname]}"
+    want = (module.local_num_experts, 2 * ip, hidden) if pname == "w13_weight" else (module.local_num_experts, hidden, ip)
+    if shape != want:
+        raise LayoutError(f"{cname}.{pname}: shape {list(shape)}, expected {list(want)} (padded intermediate sizes "
+                          "are not supported)")
+    pieces = []
+    if pname == "w13_weight":
+        add(tensor, (e, 2 * inter, hidden))
+        for j, g, n in _expert_runs(module):
+            for half in (0, 1):  # gate rows, then up rows
+                pieces.append(Piece(tensor, Box((j, half * ip, 0), (n, ip, hidden)),
+                                    Box((g, half * inter + tp_rank * ip, 0), (n, ip, hidden))))
+    else:
+        add(tensor, (e, hidden, inter))
+        for j, g, n in _expert_runs(module):
+            pieces.append(Piece(tensor, Box((j, 0, 0), (n, hidden, ip)), Box((g, 0, tp_rank * ip), (n, hidden, ip))))
+    return pieces
+
+
 def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[int, ...],
                   add: callable) -> tuple[list[Piece], list[Box]]:
-    """(pieces, padding) of one parameter; `add(name, shape)` declares a canonical tensor."""
+    """(pieces, padding) of one parameter; `mname` is the module's canonical name; `add(name,
+    shape)` declares a canonical tensor."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -78,6 +118,8 @@ def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    if pname in MOE_STACKED and hasattr(module, "moe_config"):
+        return _expert_pieces(mname, module, pname, shape, add), []
     tp_size, tp_rank = getattr(module, "tp_size", 1), getattr(module, "tp_rank", 0)
     rest = shape[1:]
     if isinstance(module, QKVParallelLinear):
@@ -127,6 +169,7 @@ def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[
 
 def rank_layout(model: torch.nn.Module) -> RankLayout:
     """This rank's buffers, their canonical tensors, and the parameters they load into."""
+    arch = type(model).__name__
     tensors: dict[str, TensorSpec] = {}
     buffers: list[LocalBuffer] = []
     targets: list[Target] = []
@@ -148,7 +191,7 @@ def rank_layout(model: torch.nn.Module) -> RankLayout:
                 if tensors.setdefault(name, spec) != spec:
                     raise LayoutError(f"canonical tensor {name!r} read as {tensors[name]} and as {spec}")
 
-            pieces, padding = _param_pieces(mname, module, pname, shape, add)
+            pieces, padding = _param_pieces(vllm_module_name(arch, mname), module, pname, shape, add)
             bname = f"{mname}.{pname}"
             owner[key] = bname
             buffers.append(LocalBuffer(bname, shape, dtype, tuple(pieces), tuple(padding)))

@@ -23,11 +23,10 @@ LOGPROB_TOL = 1e-5  # float32 kernel noise measured at 3e-7..5e-7 on this model
 
 
 def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tuple[list[int], list[float]]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k not in ("model_type", "torch_dtype")})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     out = []
@@ -43,9 +42,14 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     return out
 
 
-def test_fsdp2_trainer_to_vllm_tp2_matches_hf(tmp_path):
+@pytest.mark.parametrize("model", [
+    "llama",
+    pytest.param("mixtral", marks=pytest.mark.slow),  # slow: a second vLLM engine start (about 60 s)
+])
+def test_fsdp2_trainer_to_vllm_tp2_matches_hf(tmp_path, model):
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    r = subprocess.run([sys.executable, EXAMPLE, "--json", str(tmp_path / "out.json"), "--save-weights", str(tmp_path)],
+    r = subprocess.run([sys.executable, EXAMPLE, "--model", model, "--json", str(tmp_path / "out.json"),
+                        "--save-weights", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads((tmp_path / "out.json").read_text())

@@ -27,6 +27,7 @@ def pid_of(status: dict, rank: int) -> int:
     return int(next(w for w in status["workers"] if w["rank"] == rank)["pid"])
 
 
+@pytest.mark.slow  # a stalled transfer, a kill and a worker restart
 def test_killed_trainer_worker_aborts_every_rank_at_once():
     env = dict(SLOW, RESHARD_FAULT_SLOW_SECONDS=str(DEADLINE), RESHARD_FAULT_ONCE="1")
     c = Cluster("small", inference_workers=2, update_timeout=DEADLINE, bucket_bytes=64 << 10, inference_env=env)

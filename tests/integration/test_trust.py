@@ -145,6 +145,7 @@ def rpc(addr: str, method: str, request, timeout: float = 15):
         return getattr(rgrpc.InferenceServiceStub(ch), method)(request, timeout=timeout)
 
 
+@pytest.mark.slow  # a 3 s stalled transfer
 def test_dump_during_an_in_place_transfer_never_blocks_the_worker():
     """In-place mode holds the serving lock for the whole transfer: a read-back then must be
     refused at once, not block the worker's loop (which would strand the update)."""
@@ -168,6 +169,7 @@ def test_dump_during_an_in_place_transfer_never_blocks_the_worker():
         c.close()
 
 
+@pytest.mark.slow  # a 3 s held commit
 def test_commit_is_owned_by_finish_update_and_a_retry_gets_its_outcome():
     """During COMMIT nothing else may abort the update (a BeginUpdate or AbortUpdate is refused),
     and a retried FinishUpdate is answered from the recorded outcome without committing again."""
