@@ -212,7 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what the data plane can use here: torch, CUDA, NCCL library and version, gloo")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1")
+    p = sub.add_parser("demo", help="the embedded local default: 2 trainer -> 4 inference workers on 127.0.0.1; "
+                       "--engine vllm: an FSDP2 trainer -> real vLLM")
+    p.add_argument("--engine", choices=("reshard", "vllm"), default="reshard",
+                   help="reshard: synthetic workers of both services (default); vllm: an FSDP2 trainer (2 ranks) "
+                        "training a Llama pushes into vLLM (TP 2) through the reshard backend, against the "
+                        "gather-and-load path (needs the vllm extra)")
+    p.add_argument("--vllm-model", choices=("llama-0.5g", "llama-tiny"), default="llama-0.5g",
+                   help="with --engine vllm: the model trained and served")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--updates", type=int, default=4, help="reshard updates (the first is cold)")
     p.add_argument("--baseline-updates", type=int, default=3, help="serialized baseline updates (the first is cold)")

@@ -36,6 +36,10 @@ def _status(flag: str, addr: str) -> dict:
 
 
 def run_demo(a) -> int:
+    if getattr(a, "engine", "reshard") == "vllm":
+        from reshard.tools.vllm_scene import run
+
+        return run(a)
     cfg = model_config(a.model)
     log = open(os.devnull, "w") if a.json else sys.stderr
     inf_addr, tr_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

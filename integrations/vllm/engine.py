@@ -36,7 +36,7 @@ from reshard.inference_svc.worker import InferenceWorker
 from reshard.integrations.vllm.layout import RankLayout, rank_layout
 from reshard.proto import worker_pb2 as wpb
 
-log = logging.getLogger("reshard.vllm")
+log = logging.getLogger("vllm.reshard")  # under vLLM's logger: its handlers and level apply
 
 
 @dataclasses.dataclass
@@ -143,7 +143,9 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         w = self._need_worker()
         timeout = info.timeout or self.info.timeout
         run = info.run or self.info.run or None
+        t_wait = time.perf_counter()
         version = w.wait_for_version(max(info.step, 0), run, timeout)
+        t_wait = time.perf_counter() - t_wait
         if version is None:
             held = w.version
             raise TimeoutError(
@@ -161,8 +163,9 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             n = self._load(w.dirty)
             w.dirty = set()
             self.loaded = (v.run, v.step)
-        log.info("vLLM rank %d: loaded %s:%d into the model (%d modules, %.3fs)", self.rank, v.run, v.step, n,
-                 time.perf_counter() - t0)
+        self.last_load_seconds = time.perf_counter() - t0
+        log.info("vLLM rank %d: loaded %s:%d into the model (%d modules, %.3f s; waited %.3f s for the commit)",
+                 self.rank, v.run, v.step, n, self.last_load_seconds, t_wait)
 
     def finish_weight_update(self) -> None:
         pass

@@ -68,3 +68,16 @@ def test_fsdp2_trainer_to_vllm_tp2_matches_hf(tmp_path, model):
         seen.add(tuple(u["generations"][0]["tokens"]))
         print(f"step {u['step']}: tokens equal HF's; max |logprob diff| {worst:.2e}; update {u['seconds']:.3f} s")
     assert len(seen) == 3, "the generations did not change between steps: the updates did not take effect"
+
+
+@pytest.mark.slow  # a third vLLM engine start (about 50 s); the quick suite runs the same backend above
+def test_demo_engine_vllm_reports_every_update_and_the_speedup():
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "demo", "--engine", "vllm", "--vllm-model", "llama-tiny",
+                        "--updates", "2", "--baseline-updates", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    out = json.loads(r.stdout)
+    assert [u["version"] for u in out["updates"]] == ["demo:1", "demo:2"]
+    for u in out["updates"]:
+        assert u["verified"] and u["tokens_match"] and u["bytes"] > 0 and u["seconds"] > 0
+    assert out["baseline"][0]["tokens_match"] and out["baseline_seconds"] > 0
+    assert out["speedup_vs_gather_load"] == pytest.approx(out["baseline_seconds"] / out["reshard_seconds"])
