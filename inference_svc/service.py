@@ -294,9 +294,11 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.phase = "TRANSFER"
                 faults.at_phase("inference", "TRANSFER")
             except _UnknownSource as e:
+                self._tell_workers(u, str(e))
                 await self._fail(u, str(e))
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except LayoutError as e:
+                self._tell_workers(u, str(e))
                 await self._fail(u, str(e))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except WorkerError as e:
@@ -397,6 +399,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                                 f"update {req.update_id} is in {u.phase}: it ends by itself (committed on every rank, or aborted)")
         if u is not None and u.id == req.update_id and u.phase not in TERMINAL:
             await self._abort(u, req.reason or "aborted by the trainer")
+        elif req.HasField("version") and (u is None or u.id != req.update_id):  # it never began here
+            self.hub.send_all(abort=wpb.Abort(update_id=req.update_id, reason=req.reason or "aborted by the trainer",
+                                              version=req.version))
         return pb.AbortUpdateReply()
 
     async def expire(self) -> None:
@@ -421,10 +426,15 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if u.phase in TERMINAL or (u.phase in FINISHING and not finishing):
             return
         in_flight = u.phase in ("TRANSFER", "VERIFY", "COMMIT")
-        self.hub.send_all(abort=wpb.Abort(update_id=u.id, reason=reason))
+        self._tell_workers(u, reason)
         if in_flight and self.inplace:
             self._not_serving = True
         await self._fail(u, reason)
+
+    def _tell_workers(self, u: _Update, reason: str) -> None:
+        """Every rank learns that `u` failed, and which version it carried (ranks that never
+        prepared it too: an engine waiting to serve that version stops waiting)."""
+        self.hub.send_all(abort=wpb.Abort(update_id=u.id, reason=reason, version=u.version))
 
     inplace = False
 

@@ -10,6 +10,7 @@ update succeeds."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -63,6 +64,8 @@ class InferenceWorker(WorkerBase):
         self.updating = False
         self._verifying = ""  # the update this rank was asked to verify, until it commits (or aborts)
         self._commit_gen = 0  # the commit generation: odd while `_commit` changes the live weights (see `_read`)
+        self.failures: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
+        """(run, step) -> why the update carrying it failed, for the last few failed versions."""
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[pb.Version | None]:
@@ -73,15 +76,32 @@ class InferenceWorker(WorkerBase):
 
     def wait_for_version(self, step: int, run: str | None = None, timeout: float | None = None) -> pb.Version | None:
         """Block until this rank serves version (run, step) or a newer step of that run (any run when
-        `run` is None); returns the version served, or None at the timeout."""
+        `run` is None); returns the version served, or None at the timeout or when the update
+        carrying that step failed (`failure(step, run)` says why)."""
         def ready() -> bool:
             v = self.version
             return self.serving_ok and not self.held and v is not None and (run is None or v.run == run) and v.step >= step
 
         with self._committed:
-            if not self._committed.wait_for(ready, timeout):
+            if not self._committed.wait_for(lambda: ready() or self.failure(step, run) is not None, timeout) or not ready():
                 return None
             return self.version
+
+    def failure(self, step: int, run: str | None = None) -> str | None:
+        """Why the update carrying (run, step) failed, if it did (the latest such failure)."""
+        for (r, s), why in reversed(self.failures.items()):
+            if s == step and (run is None or r == run):
+                return why
+        return None
+
+    async def _on_abort(self, a: wpb.Abort, cid: int) -> None:
+        await super()._on_abort(a, cid)
+        if a.HasField("version"):
+            with self._committed:
+                self.failures[(a.version.run, a.version.step)] = a.reason
+                while len(self.failures) > 16:
+                    self.failures.popitem(last=False)
+                self._committed.notify_all()
 
     async def _on_serve(self, s: wpb.Serve, cid: int) -> None:
         with self._committed:
@@ -186,6 +206,8 @@ class InferenceWorker(WorkerBase):
                 hook(version)
             with self._committed:
                 self.version = pb.Version(run=version.run, step=version.step)
+                for key in [k for k in self.failures if k[0] == version.run and k[1] <= version.step]:
+                    del self.failures[key]  # a retry of a failed version made it
                 self.serving_ok = True
                 self.held = False  # every rank of the deployment commits this version
                 self._verifying = ""

@@ -334,12 +334,14 @@ class FinishUpdateReply(_message.Message):
     def __init__(self, committed: _Optional[_Union[Version, _Mapping]] = ..., verify_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., requests_during: _Optional[int] = ..., commit_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortUpdateRequest(_message.Message):
-    __slots__ = ("update_id", "reason")
+    __slots__ = ("update_id", "reason", "version")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     reason: str
-    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    version: Version
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ...) -> None: ...
 
 class AbortUpdateReply(_message.Message):
     __slots__ = ()

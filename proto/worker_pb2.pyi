@@ -74,12 +74,14 @@ class Commit(_message.Message):
     def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("update_id", "reason")
+    __slots__ = ("update_id", "reason", "version")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     reason: str
-    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    version: _reshard_pb2.Version
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class Read(_message.Message):
     __slots__ = ("tensor", "offset", "size")

@@ -588,10 +588,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             log.error("update %s failed: %s", _v(version), msg)
             self.hub.send_all(abort=wpb.Abort(update_id=uid, reason=msg))
             d.session, d.repair = None, False
-            if began:
-                try:
-                    await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg), timeout=self.deadlines.rpc_s)
-                except grpc.aio.AioRpcError as e2:
+            # Told even when it never began there: ranks waiting to serve this version stop waiting.
+            try:
+                await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg, version=version),
+                                         timeout=self.deadlines.rpc_s)
+            except grpc.aio.AioRpcError as e2:
+                if began:
                     log.warning("abort on inference failed: %s", status_error(e2))
             record.ok, record.error, record.seconds = False, msg, time.monotonic() - t0
             self.hub.meter.record(record)

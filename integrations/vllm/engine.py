@@ -146,6 +146,10 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         t_wait = time.perf_counter()
         version = w.wait_for_version(max(info.step, 0), run, timeout)
         t_wait = time.perf_counter() - t_wait
+        failed = w.failure(max(info.step, 0), run) if version is None else None
+        if failed is not None:
+            raise RuntimeError(f"vLLM rank {self.rank}: the update carrying step {info.step} failed on the reshard "
+                               f"deployment: {failed}; vLLM keeps serving what it served")
         if version is None:
             held = w.version
             raise TimeoutError(

@@ -91,3 +91,50 @@ def test_embedded_workers_publish_and_commit(snapshot):
         for w in trainers + inferences:
             w.stop()
         stop_processes(procs)
+
+
+def test_a_layout_mismatch_reaches_a_rank_waiting_for_that_version():
+    """An update the inference controller refuses (the trainer's layout disagrees with the engine's)
+    is told to every rank with its version and the reason naming the first mismatch: a rank
+    waiting to serve that version (an engine's weight-update call) stops waiting at once, and
+    keeps what it served."""
+    cfg = model_config("tiny")
+    inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    inf_w, tr_w = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
+                          "--external-workers", "--worker-listen", inf_w], stderr=subprocess.DEVNULL, start_new_session=True),
+        subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", tr, "--workers", "1", "--inference", inf,
+                          "--external-workers", "--run", "mm", "--worker-listen", tr_w],
+                         stderr=subprocess.DEVNULL, start_new_session=True),
+    ]
+    dst = vllm_layout(cfg, 2)
+    bad = next(n for n in dst.tensors if n.endswith("q_proj.weight"))
+    spec = dst.tensors[bad]
+    src_tensors = dict(dst.tensors)
+    src_tensors[bad] = type(spec)(bad, (spec.shape[0] + 8, spec.shape[1]), spec.dtype)  # a wider q_proj
+    from reshard.common.layout.core import Box, LocalBuffer, Piece
+
+    src_bufs = {n: (LocalBuffer(n, t.shape, t.dtype, (Piece(n, Box.full(t.shape), Box.full(t.shape)),)),
+                    torch.zeros(t.shape, dtype=torch.bfloat16)) for n, t in src_tensors.items()}
+    workers = []
+    try:
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
+            workers.append(InferenceWorker(inf_w, r, 2, dst.tensors, bufs).start())
+        trainer = TrainerWorker(tr_w, 0, 1, src_tensors, src_bufs, run="mm").start()
+        workers.append(trainer)
+        for w in workers:
+            assert w.wait_connected(60)
+        trainer.publish(5)
+        t0 = time.monotonic()
+        for w in workers[:2]:
+            assert w.wait_for_version(5, "mm", timeout=60) is None
+            why = w.failure(5, "mm")
+            assert why is not None and bad in why, why
+            assert w.version is None  # it serves what it served: nothing was committed
+        assert time.monotonic() - t0 < 30, "the waiting ranks were not told at once"
+    finally:
+        for w in workers:
+            w.stop()
+        stop_processes(procs)
