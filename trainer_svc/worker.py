@@ -74,13 +74,20 @@ class TrainerWorker(WorkerBase):
     @classmethod
     def from_module(cls, controller: str, module: torch.nn.Module, *, names=None, rank: int | None = None,
                     world: int | None = None, **kw) -> "TrainerWorker":
-        """A worker for a live model: its layout read from the parameters (DTensors of FSDP2 or
-        tensor parallel, or plain tensors), which it sends in place at each publish. `names` maps
-        parameter names to canonical (Hugging Face) ones where they differ; rank and world default
-        to torch.distributed's. See `reshard.integrations.dtensor`."""
-        from reshard.integrations.dtensor import module_layout
+        """A worker for a live model: its layout read from the parameters, which it sends in place at
+        each publish. A Megatron-core model's layout comes from its sharded state dict
+        (`reshard.integrations.megatron`); any other module's from its parameters, DTensors (FSDP2,
+        tensor parallel) or plain tensors (`reshard.integrations.dtensor`), where `names` maps
+        parameter names to canonical (Hugging Face) ones where they differ. Rank and world default
+        to torch.distributed's."""
+        if type(module).__module__.startswith("megatron.") and hasattr(module, "sharded_state_dict"):
+            from reshard.integrations import megatron
 
-        rank, world, tensors, buffers = module_layout(module, names=names, rank=rank, world=world)
+            rank, world, tensors, buffers = megatron.module_layout(module, rank=rank, world=world)
+        else:
+            from reshard.integrations.dtensor import module_layout
+
+            rank, world, tensors, buffers = module_layout(module, names=names, rank=rank, world=world)
         kw.setdefault("model", type(module).__name__)
         return cls(controller, rank, world, tensors, buffers, **kw)
 
