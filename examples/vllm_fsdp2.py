@@ -4,12 +4,16 @@ then generates with them.
 
     python examples/vllm_fsdp2.py                 # starts its own reshard controllers
     python examples/vllm_fsdp2.py --json out.json --save-weights DIR
+    python examples/vllm_fsdp2.py --server        # a vLLM server (`vllm serve`) instead of an offline LLM
 
 What the user code does, on each side:
   trainer ranks: worker = TrainerWorker.from_module(WORKERS, model); ...; worker.publish(step).wait()
   vLLM:          LLM(..., weight_transfer_config={"backend": "reshard"})
                  llm.init_weight_transfer_engine({"init_info": {"controller": WORKERS}})
                  reshard.integrations.vllm.update(llm, step)
+  or a server:   VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{"backend": "reshard"}'
+                 POST /init_weight_transfer_engine {"init_info": {"controller": WORKERS}}
+                 reshard.integrations.vllm.update_server(URL, step)
 The reshard controllers are two services (`reshard trainer`, `reshard inference`); this script
 starts them on this host, as a deployment runs them beside the trainer and the server."""
 
@@ -100,18 +104,104 @@ def start_controllers(tmp: str, tp: int, world: int) -> tuple[list[subprocess.Po
     return procs, inf_w, tr_w
 
 
+class Offline:
+    """vLLM in this process (`vllm.LLM`)."""
+
+    def __init__(self, model_dir: str, tp: int, workers: str) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+                       max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
+                       weight_transfer_config={"backend": "reshard"})
+        self.llm.init_weight_transfer_engine({"init_info": {"controller": workers}})
+        self.greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
+
+    def update(self, step: int) -> str:
+        from reshard.integrations.vllm import update
+
+        return update(self.llm, step)  # waits until every vLLM rank has it, then serves it
+
+    def generate(self, prompts: list[list[int]]) -> list[dict]:
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.greedy, use_tqdm=False)
+        return [{"tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]} for o in outs]
+
+    def weight_version(self) -> str:
+        return self.llm.get_weight_version()
+
+    def close(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+class Server:
+    """A vLLM server (`vllm serve`), driven over HTTP."""
+
+    def __init__(self, model_dir: str, tp: int, workers: str, log) -> None:
+        self.url, self.model = f"http://127.0.0.1:{free_port()}", model_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
+             "--model", model_dir, "--tensor-parallel-size", str(tp), "--dtype", "float32", "--load-format", "dummy",
+             "--skip-tokenizer-init", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", "--enforce-eager",
+             "--enable-scale-out",  # the tokens-in, tokens-out route (this model has no tokenizer)
+             "--weight-transfer-config", json.dumps({"backend": "reshard"})],
+            env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), stdout=log, stderr=log)  # dev mode: the weight-transfer routes
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                self.call("GET", "/health")
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the vLLM server did not start") from None
+                time.sleep(1)
+        self.call("POST", "/init_weight_transfer_engine", {"init_info": {"controller": workers}})
+
+    def call(self, method: str, path: str, body: dict | None = None):
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(self.url + path, method=method, headers={"Content-Type": "application/json"},
+                                     data=None if body is None else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                data = r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+        return json.loads(data) if data else None
+
+    def update(self, step: int) -> str:
+        from reshard.integrations.vllm import update_server
+
+        return update_server(self.url, step)
+
+    def generate(self, prompts: list[list[int]]) -> list[dict]:
+        out = []
+        for p in prompts:
+            r = self.call("POST", "/inference/v1/generate", {  # tokens in, tokens out: no tokenizer needed
+                "token_ids": p, "sampling_params": {"max_tokens": 8, "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
+                                                    "detokenize": False}})
+            c = r["choices"][0]
+            out.append({"tokens": c["token_ids"], "logprobs": [x["logprob"] for x in c["logprobs"]["content"]]})
+        return out
+
+    def weight_version(self) -> str:
+        return self.call("GET", "/weight_info")["weight_version"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--server", action="store_true", help="drive a vLLM server over HTTP instead of an offline LLM")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
     args = ap.parse_args()
 
     import torch.multiprocessing as mp
-    from vllm import LLM, SamplingParams
-
-    from reshard.integrations.vllm import update
 
     tmp = tempfile.mkdtemp(prefix="reshard-example-")
     with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -124,29 +214,23 @@ def main() -> None:
     trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, COMMON["vocab_size"], args.steps, args.save_weights, go[r], done))
                 for r in range(world)]
     results = {"updates": []}
+    engine = None
     try:
         for p in trainers:  # they build their model and attach while vLLM starts; they train when told to
             p.start()
         t0 = time.perf_counter()
-        llm = LLM(model=tmp, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
-                  max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
-                  weight_transfer_config={"backend": "reshard"})
-        llm.init_weight_transfer_engine({"init_info": {"controller": inf_workers}})
+        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers)
         results["engine_start_seconds"] = time.perf_counter() - t0
-        greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
         for _ in range(args.steps):
             for g in go:
                 g.put(True)  # train one step and publish it
             step, loss = done.get(timeout=600)  # the trainer published it
             t1 = time.perf_counter()
-            version = update(llm, step)  # waits until every vLLM rank has it, then serves it
+            version = engine.update(step)
             seconds = time.perf_counter() - t1
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-            gens = [{"tokens": list(o.outputs[0].token_ids),
-                     "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
-                    for o in outs]
+            gens = engine.generate(PROMPTS)
             results["updates"].append({"step": step, "version": version, "loss": loss, "seconds": seconds,
-                                       "weight_version": llm.get_weight_version(), "generations": gens})
+                                       "weight_version": engine.weight_version(), "generations": gens})
             print(f"step {step}: loss {loss:.4f}, vLLM serves version {version} ({seconds:.3f} s), "
                   f"tokens {gens[0]['tokens']}", flush=True)
         for p in trainers:
@@ -155,9 +239,9 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f)
-        llm.shutdown_weight_transfer_engine()
-        del llm
     finally:
+        if engine is not None:
+            engine.close()
         for p in trainers:
             if p.is_alive():
                 p.kill()

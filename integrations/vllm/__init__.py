@@ -11,11 +11,9 @@ and driven by vLLM's own calls after each trainer step (`update` below makes the
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 BACKEND = "reshard"
-log = logging.getLogger("reshard.vllm")
 
 
 def register() -> None:
@@ -45,4 +43,42 @@ def update(llm: Any, step: int, *, run: str = "", timeout: float = 0.0) -> str:
     version = f"{run}:{step}" if run else str(step)
     llm.finish_weight_update(weight_version=version)
     llm.reset_prefix_cache()
+    return version
+
+
+def update_server(base_url: str, step: int, *, run: str = "", timeout: float = 0.0, api_key: str = "",
+                  http_timeout: float = 900.0) -> str:
+    """The same for a vLLM server (`vllm serve ... --weight-transfer-config '{"backend": "reshard"}'`,
+    started with VLLM_SERVER_DEV_MODE=1, which serves vLLM's weight-transfer routes): pause
+    generation (in-flight requests finish with the weights they started with, and the caches are
+    cleared), start / update / finish, resume. Returns the weight version now served."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if step < 0:
+        raise ValueError(f"step must be >= 0, not {step}")
+
+    def post(path: str, body: dict | None = None) -> None:
+        req = urllib.request.Request(base_url.rstrip("/") + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=http_timeout) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"vLLM server {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+
+    version = f"{run}:{step}" if run else str(step)
+    post("/pause?mode=wait")
+    try:
+        post("/start_weight_update")
+        try:
+            post("/update_weights", {"update_info": {"step": step, "run": run, "timeout": timeout, "exact": True}})
+        except BaseException:
+            post("/finish_weight_update", {})
+            raise
+        post("/finish_weight_update", {"weight_version": version})
+    finally:
+        post("/resume")
     return version

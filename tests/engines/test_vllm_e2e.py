@@ -42,14 +42,15 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     return out
 
 
-@pytest.mark.parametrize("model", [
-    "llama",
-    pytest.param("mixtral", marks=pytest.mark.slow),  # slow: a second vLLM engine start (about 60 s)
+@pytest.mark.parametrize("model,server", [
+    ("llama", False),
+    pytest.param("mixtral", False, marks=pytest.mark.slow),  # slow: another vLLM engine start (about 50 s)
+    pytest.param("llama", True, marks=pytest.mark.slow),  # a vLLM server driven over HTTP (about 50 s)
 ])
-def test_fsdp2_trainer_to_vllm_tp2_matches_hf(tmp_path, model):
+def test_fsdp2_trainer_to_vllm_tp2_matches_hf(tmp_path, model, server):
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
     r = subprocess.run([sys.executable, EXAMPLE, "--model", model, "--json", str(tmp_path / "out.json"),
-                        "--save-weights", str(tmp_path)],
+                        "--save-weights", str(tmp_path), *(["--server"] if server else [])],
                        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads((tmp_path / "out.json").read_text())
