@@ -39,6 +39,9 @@ CONFIGS = {
     # KV heads replicated under TP 2; a vocabulary padded from 1000 to 1024 rows.
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 1, **COMMON},
     # 4 stacked experts (top 2), split by intermediate rows under TP 2.
+    # 4 query heads in 2 groups: Megatron-core needs whole query groups on each TP rank.
+    "llama-gqa": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **COMMON, "num_attention_heads": 4,
+                  "num_key_value_heads": 2},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_key_value_heads": 2,
                 "num_local_experts": 4, "num_experts_per_tok": 2, **COMMON},
 }
@@ -192,9 +195,9 @@ class Server:
         self.proc.wait(60)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
+def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> None:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(CONFIGS), default=default_model)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--server", action="store_true", help="drive a vLLM server over HTTP instead of an offline LLM")
     ap.add_argument("--json", default="", help="write the results here")

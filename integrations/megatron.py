@@ -148,3 +148,34 @@ def module_layout(model: torch.nn.Module, *, rank: int | None = None, world: int
             buffers[pname] = (LocalBuffer(pname, tuple(p.shape), str(p.dtype).removeprefix("torch."), tuple(pieces[pname]),
                                           tuple(padding.get(pname, ()))), p)
     return rank, world, tensors, buffers
+
+
+def full_state(model: torch.nn.Module, vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Every weight gathered whole under its canonical name (a collective over the tensor-parallel
+    group: call on each of its ranks). For checks and references, not for updates."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+    _, _, tensors, buffers = module_layout(model, rank=0, world=1, vocab_size=vocab_size)
+    out = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for n, t in tensors.items()}
+    held = {n: torch.zeros(t.shape, dtype=torch.uint8) for n, t in tensors.items()}  # gloo gathers no bools
+    for desc, t in buffers.values():
+        for p in desc.pieces:
+            out[p.tensor][p.box.slices()] = p.view(t)
+            held[p.tensor][p.box.slices()] = 1
+    for name, t in out.items():  # each element from the first rank that holds it
+        parts, masks = [torch.empty_like(t) for _ in range(tp)], [torch.empty_like(held[name]) for _ in range(tp)]
+        dist.all_gather(parts, t, group=group)
+        dist.all_gather(masks, held[name], group=group)
+        whole, done = parts[0].clone(), masks[0].bool()
+        for x, m in zip(parts[1:], masks[1:]):
+            m = m.bool()
+            take = m & ~done
+            whole[take] = x[take]
+            done |= m
+        if not bool(done.all()):
+            raise LayoutError(f"{name}: no tensor-parallel rank holds part of it")
+        out[name] = whole
+    return out

