@@ -1,6 +1,7 @@
 """A trainer rank's layout read from a live PyTorch module: parameters that are DTensors (FSDP2's
 `fully_shard`, tensor parallel through `parallelize_module`, 2-D meshes) or plain tensors
-(replicated, as under DDP).
+(replicated, as under DDP). FSDP2 over tensor parallelism on a 2-D mesh included (its
+`_StridedShard` placements).
 
 Each parameter is one local buffer: the rank's local shard, which the optimizer updates in place,
 so the worker sends the current weights at every publish without a copy. Its box in the canonical
@@ -17,19 +18,41 @@ from reshard.common.layout.placement import Replicate, Shard, expand
 from reshard.integrations.names import Names, canonical_name
 
 
-def _placements(name: str, placements) -> tuple:
+def _box(name: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements, coord: tuple[int, ...]) -> Box:
+    """This mesh coordinate's box. Shard and Replicate split left to right over the mesh dimensions,
+    as DTensor does. A `_StridedShard(d, split_factor=f)` is what FSDP2 gives a parameter that
+    tensor parallelism already shards on dimension d: the later mesh dimensions that shard d
+    (whose sizes multiply to f) split it first and this one splits their shards (right to left),
+    so it is expanded after them."""
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    out = []
-    for p in placements:
-        if type(p) is TShard:
-            out.append(Shard(p.dim))
+    plain, order, strided = [], list(range(len(mesh_shape))), []
+    for i, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            later = [j for j in range(i + 1, len(placements)) if isinstance(placements[j], TShard) and placements[j].dim == p.dim]
+            inner = 1
+            for j in later:
+                inner *= mesh_shape[j]
+            if not later or inner != int(p.split_factor):
+                raise LayoutError(f"parameter {name!r}: placement {p} at mesh dimension {i}: the later mesh dimensions "
+                                  f"shard dimension {p.dim} into {inner}, not {p.split_factor}: only FSDP2's form over "
+                                  "tensor parallelism is supported")
+            strided.append((i, later[-1]))
+            plain.append(Shard(p.dim))
+        elif type(p) is TShard:
+            plain.append(Shard(p.dim))
         elif isinstance(p, TReplicate):
-            out.append(Replicate())
-        else:  # Partial (a pending reduction), _StridedShard (FSDP2 over a TP-sharded dim)
-            raise LayoutError(f"parameter {name!r}: placement {type(p).__name__} ({p}) is not supported (Shard and Replicate are)")
-    return tuple(out)
+            plain.append(Replicate())
+        else:  # Partial (a pending reduction)
+            raise LayoutError(f"parameter {name!r}: placement {type(p).__name__} ({p}) is not supported "
+                              "(Shard, Replicate and FSDP2's _StridedShard are)")
+    for i, last in strided:  # expand the strided dimension right after the ones that split first
+        order.remove(i)
+        order.insert(order.index(last) + 1, i)
+    boxes = expand(shape, tuple(mesh_shape[j] for j in order), tuple(plain[j] for j in order), name)
+    return boxes[tuple(coord[j] for j in order)]
 
 
 def module_layout(module: torch.nn.Module, *, names: Names = None, rank: int | None = None,
@@ -59,7 +82,7 @@ def module_layout(module: torch.nn.Module, *, names: Names = None, rank: int | N
             if not len(where):  # this rank is outside the parameter's mesh
                 continue
             coord = tuple(int(i) for i in where[0])
-            box = expand(data.shape, tuple(mesh.shape), _placements(pname, data.placements), name)[coord]
+            box = _box(pname, tuple(data.shape), tuple(mesh.shape), data.placements, coord)
             local = data._local_tensor.detach()  # the storage the optimizer updates in place
         else:
             tensors[name] = TensorSpec(name, tuple(data.shape), dtype)

@@ -93,3 +93,64 @@ def test_names():
     assert unfused("model.layers.3.self_attn.qkv_proj") == ("model.layers.3.self_attn.q_proj",
                                                             "model.layers.3.self_attn.k_proj", "model.layers.3.self_attn.v_proj")
     assert unfused("model.layers.3.mlp.down_proj") is None
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(6, 7, bias=False)  # colwise: 7 rows over TP 2 (4, 3), then over DP 2 (2, 2 and 2, 1)
+        self.down = torch.nn.Linear(7, 6, bias=False)  # rowwise: columns over TP, rows over DP
+        self.norm = torch.nn.Parameter(torch.zeros(3))  # replicated over TP, 3 rows over DP 2
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 2), (2, 3)])
+def test_fsdp2_over_tensor_parallel_2d_mesh(fake_world, dp, tp):
+    """FSDP2 (`fully_shard`) over tensor-parallel parameters on a (dp, tp) mesh gives the
+    colwise weight `_StridedShard` placements: each rank holds its DP chunk of its TP chunk.
+    Each rank's box must select, from the full tensor, exactly the values its local shard holds
+    (the modules are split locally, src_data_rank=None, so the fake group moves no data)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    torch.manual_seed(0)
+    ref = Mlp()
+    full = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    for n, t in full.items():
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape) + 1)
+    covered = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in full.items()}
+    strided = 0
+    for rank in range(dp * tp):
+        fake_world(rank, dp * tp)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = Mlp()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(full[n])
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)
+        fully_shard(model, mesh=mesh["dp"])
+        strided += any(isinstance(p, _StridedShard) for p in model.up.weight.placements)
+        _, _, tensors, buffers = module_layout(model)
+        assert {n: t.shape for n, t in tensors.items()} == {n: tuple(t.shape) for n, t in full.items()}
+        for n, p in model.named_parameters():
+            local = p._local_tensor
+            if local.numel() == 0:
+                assert n not in buffers
+                continue
+            (piece,) = buffers[n][0].pieces
+            assert torch.equal(full[n][piece.box.slices()], local), f"rank {rank}: {n} box {piece.box} holds other values"
+            covered[n][piece.box.slices()] += 1
+    assert strided == dp * tp, "FSDP2 no longer gives _StridedShard here: this test does not test it"
+    for n, c in covered.items():
+        replicas = 1 if n != "norm" else tp
+        assert bool((c == replicas).all()), f"{n}: boxes do not tile the tensor"
+
+
+def test_strided_shard_other_than_fsdp2s_form_is_refused(fake_world):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    fake_world(0, 4)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (2, 2))
+    bad = Holder({"p": DTensor.from_local(torch.zeros(2, 2), mesh, (_StridedShard(0, split_factor=3), Shard(0)), run_check=False)})
+    with pytest.raises(LayoutError, match="only FSDP2's form"):
+        module_layout(bad)
