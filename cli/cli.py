@@ -164,14 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the inference dtype, done on the sender")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="data plane: nccl when every worker's buffers are on CUDA, gloo when on CPU (auto), or forced")
+    p.add_argument("--transfer-method", default="reshard",
+                   help="how every update moves: reshard (default), or a method a measurement tool plugs in "
+                        "(serialized: the serialized baseline `reshard demo` compares against)")
     service_args(p, "TrainerWorkers embedded in a training job")
 
-    p = sub.add_parser("update", help="push the trainer's latest version to inference")
+    p = sub.add_parser("update", help="push the trainer's latest version to inference (standalone workers: "
+                                      "after a simulated optimizer step)")
     p.add_argument("--trainer", type=_address("trainer address"), required=True)
     p.add_argument("--wait", action="store_true", help="wait until it (or a newer version) is committed")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--mode", choices=["reshard", "serialized"], default="reshard")
-    p.add_argument("--no-step", action="store_true", help="push what is published without a simulated step")
     p.add_argument("--tensors", default="",
                    help="a partial update: comma-separated canonical names or patterns (e.g. 'model.layers.*.mlp.*'); "
                         "the others keep their committed values")
@@ -280,7 +282,7 @@ async def cmd_update(a) -> int:
         stub = rgrpc.TrainerServiceStub(ch)
         try:
             tensors = [t.strip() for t in a.tensors.split(",") if t.strip()]
-            rep = await stub.TriggerUpdate(pb.TriggerUpdateRequest(take_step=not a.no_step, mode=a.mode, tensors=tensors),
+            rep = await stub.TriggerUpdate(pb.TriggerUpdateRequest(tensors=tensors),
                                            timeout=a.timeout)
         except grpc.aio.AioRpcError as e:
             print(f"update failed: {status_error(e)}", file=sys.stderr)
@@ -401,6 +403,11 @@ def check_service_args(a) -> None:
     if not a.external_workers and a.model not in MODELS:
         raise ValueError(f"--model {a.model!r} is not a built-in model: standalone workers take one of "
                          f"{', '.join(sorted(MODELS))} (with --external-workers any label will do)")
+    if a.command == "trainer":
+        from reshard.common.control.methods import transfer_methods
+
+        if a.transfer_method not in transfer_methods():
+            raise ValueError(f"--transfer-method {a.transfer_method!r} is not installed: {', '.join(transfer_methods())}")
     layout_world = world_of(a.layout) if a.layout else None
     if a.workers is None:
         a.workers = layout_world or (4 if a.command == "inference" else 2)
@@ -448,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
                        master_dtype=a.master_dtype, backend=a.backend, device=a.device, allow_rollback=a.allow_rollback,
-                       worker_listen=a.worker_listen or "")
+                       worker_listen=a.worker_listen or "", method=a.transfer_method)
     if a.command == "doctor":
         from reshard.doctor import main as doctor_main
 

@@ -3,7 +3,9 @@
 Starts inference_svc (4 workers, vLLM TP=4 layout) and trainer_svc (2 workers,
 Megatron TP=2 layout) on 127.0.0.1 as real processes, runs several updates
 (each after a simulated optimizer step), then the serialized baseline on the same
-data and transport, and prints a table (or one JSON object with --json)."""
+data and transport (a second trainer_svc of the same run, started with
+`--transfer-method serialized`, takes over from the first: the public API carries no
+such knob), and prints a table (or one JSON object with --json)."""
 
 from __future__ import annotations
 
@@ -47,17 +49,21 @@ def run_demo(a) -> int:
     print(f"reshard demo: model {a.model} ({cfg.payload_bytes / 1e9:.2f} GB of {cfg.dtype}), "
           f"trainer Megatron TP={a.trainer_workers} -> inference vLLM TP={a.inference_workers}, gloo on 127.0.0.1", file=log, flush=True)
     procs = []
+
+    def trainer(method: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "reshard.cli", "--log-level", "WARNING", "trainer", "--listen", tr_addr,
+                                 "--workers", str(a.trainer_workers), "--model", a.model, "--inference", inf_addr, "--run", "demo",
+                                 "--update-timeout", "600", "--transfer-method", method], env=env, stderr=log, stdout=log)
+
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "reshard.cli", "--log-level", "WARNING", "inference", "--listen", inf_addr,
                                        "--workers", str(a.inference_workers), "--model", a.model], env=env, stderr=log, stdout=log))
-        procs.append(subprocess.Popen([sys.executable, "-m", "reshard.cli", "--log-level", "WARNING", "trainer", "--listen", tr_addr,
-                                       "--workers", str(a.trainer_workers), "--model", a.model, "--inference", inf_addr,
-                                       "--update-timeout", "600"], env=env, stderr=log, stdout=log))
+        procs.append(trainer("reshard"))
         results = {"model": a.model, "payload_bytes": cfg.payload_bytes, "trainer_workers": a.trainer_workers,
                    "inference_workers": a.inference_workers, "transport": "gloo", "updates": [], "baseline": []}
 
         def one(mode: str) -> dict:
-            r = _cli("update", "--trainer", tr_addr, "--wait", "--json", "--mode", mode, "--timeout", "900", timeout=1000)
+            r = _cli("update", "--trainer", tr_addr, "--wait", "--json", "--timeout", "900", timeout=1000)
             if r.returncode != 0 and not r.stdout.strip():
                 raise RuntimeError(f"{mode} update failed: {r.stderr.strip()}")
             out = json.loads(r.stdout)
@@ -65,6 +71,8 @@ def run_demo(a) -> int:
                 raise RuntimeError(f"{mode} update failed: {out['error']}")
             st = _status("--trainer", tr_addr)
             rec = next(h for h in reversed(st["history"]) if h["version"]["step"] == str(out["committed"]["step"]) or int(h["version"]["step"]) == out["committed"]["step"])
+            if rec.get("mode", "reshard") != mode:
+                raise RuntimeError(f"update {out['committed']} moved by {rec.get('mode')!r}, not {mode!r}")
             secs = float(rec.get("seconds", 0.0))
             row = {"version": f"{out['committed']['run']}:{out['committed']['step']}", "mode": mode, "seconds": secs,
                    "transfer_seconds": float(rec.get("transfer_seconds", 0.0)), "bytes": int(rec.get("bytes", 0)),
@@ -76,21 +84,29 @@ def run_demo(a) -> int:
                   f"verify {row['verify_seconds']:.3f} s  verified {'yes' if row['verified'] else 'NO'}", file=log, flush=True)
             return row
 
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                st = _status("--inference", inf_addr)
-                if st["serving_state"] == "SERVING" and _status("--trainer", tr_addr)["serving_state"] == "SERVING":
-                    break
-            except (RuntimeError, ValueError):
-                pass
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError("services did not come up")
-            time.sleep(0.5)
+        def wait_up() -> None:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    st = _status("--inference", inf_addr)
+                    if st["serving_state"] == "SERVING" and _status("--trainer", tr_addr)["serving_state"] == "SERVING":
+                        return
+                except (RuntimeError, ValueError):
+                    pass
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError("services did not come up")
+                time.sleep(0.5)
+
+        wait_up()
         # The first update of each mode opens its session and allocates its buffers once ("cold");
         # the speedup compares the warm updates that follow, as a training run sees them.
         for i in range(a.updates):
             results["updates"].append(dict(one("reshard"), cold=i == 0))
+        if a.baseline_updates:  # the same run, continued by a trainer_svc that moves updates the serialized way
+            procs[1].terminate()
+            procs[1].wait(30)
+            procs[1] = trainer("serialized")
+            wait_up()
         for i in range(a.baseline_updates):
             results["baseline"].append(dict(one("serialized"), cold=i == 0))
         inf = _status("--inference", inf_addr)

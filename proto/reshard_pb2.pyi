@@ -186,14 +186,10 @@ class AttachReply(_message.Message):
     def __init__(self, deployments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TriggerUpdateRequest(_message.Message):
-    __slots__ = ("take_step", "mode", "tensors")
-    TAKE_STEP_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tensors",)
     TENSORS_FIELD_NUMBER: _ClassVar[int]
-    take_step: bool
-    mode: str
     tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, take_step: _Optional[bool] = ..., mode: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TriggerUpdateReply(_message.Message):
     __slots__ = ("version",)

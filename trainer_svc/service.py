@@ -17,6 +17,7 @@ import grpc
 
 from reshard.common.control import faults
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
+from reshard.common.control.methods import RESHARD, transfer_methods
 from reshard.common.control.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
 from reshard.common.control.supervisor import module_command
 from reshard.common.dataplane.backend import BACKENDS, BackendError, select_backend
@@ -67,8 +68,11 @@ class Deployment:
 
 class TrainerController(rgrpc.TrainerServiceServicer):
     def __init__(self, hub: WorkerHub, model: str, inference: list[str], run: str, store_host: str, deadlines: Deadlines,
-                 bucket_bytes: int = 0, backend: str = "auto", allow_rollback: bool = False) -> None:
+                 bucket_bytes: int = 0, backend: str = "auto", allow_rollback: bool = False, method: str = RESHARD) -> None:
         self.hub, self.model, self.run = hub, model, run
+        if method not in transfer_methods():
+            raise ValueError(f"unknown transfer method {method!r}; installed: {', '.join(transfer_methods())}")
+        self.method = method  # how every update moves: the parallel reshard, or a measurement tool's method
         # A lease on the deployments: a newer controller (a restart, a second one) fences this one out.
         self.epoch = time.time_ns()
         self.allow_rollback = allow_rollback  # the operator's choice: another run, or older steps
@@ -89,7 +93,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.published: pb.Version | None = None
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
-        self.requested: tuple | None = None  # (version, mode, take_step, tensor patterns or None)
+        self.requested: tuple | None = None  # (version, tensor patterns or None)
         self.outcomes: dict[str, pb.UpdateOutcome] = {}  # by version string
         self.history: list[pb.UpdateRecord] = []
         self.last_error = ""
@@ -121,7 +125,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             if self.hub.complete() and len(versions) == 1:
                 self.published = msg.published.version
                 if self.auto_push:
-                    self._request(msg.published.version, "reshard")
+                    self._request(msg.published.version)
         elif kind == "progress" and msg.progress.update_id == self._update_id:
             self.progress_done[conn.rank] = msg.progress.bytes_done
         elif kind == "done" and msg.done.update_id == self._update_id:
@@ -140,29 +144,24 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             log.info("recovered published version %s from the workers", _v(v))
             self.published = v
             if self.auto_push:
-                self._request(v, "reshard")
+                self._request(v)
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         self._done_event.set()
 
-    def _request(self, version: pb.Version, mode: str, take_step: bool = False, tensors: tuple[str, ...] = ()) -> None:
+    def _request(self, version: pb.Version, tensors: tuple[str, ...] = ()) -> None:
         """Ask for an update; one not yet started is replaced by the newest (a partial one widened to
         the union of what both asked for, so nothing requested is lost)."""
         patterns: frozenset[str] | None = frozenset(tensors) if tensors else None
         if self.requested is not None:
-            old = self.requested[3]
+            old = self.requested[1]
             patterns = None if patterns is None or old is None else patterns | old
-        self.requested = (version, mode, take_step, patterns)
+        self.requested = (version, patterns)
         self.wake.set()
 
     # -- RPCs ----------------------------------------------------------------------------
     async def TriggerUpdate(self, req: pb.TriggerUpdateRequest, context):
-        mode = req.mode or "reshard"
-        if mode not in ("reshard", "serialized"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown mode {req.mode!r}; valid modes: reshard, serialized")
-        if req.take_step and self.auto_push:
-            log.info("take_step ignored: embedded trainer workers publish their own steps; pushing the latest published")
-        if req.take_step and not self.auto_push:
+        if not self.auto_push:
             # The step itself is taken by the update loop right before the transfer, so
             # triggers that arrive during an update coalesce into one step to the newest.
             # A restarted controller of the same run continues after what inference already committed.
@@ -171,11 +170,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             base = max(self.target_step, self.published.step if self.published and self.published.run == self.run else 0, *done)
             self.target_step = base + 1
             version = pb.Version(run=self.run, step=self.target_step)
-            self._request(version, mode, take_step=True, tensors=tuple(req.tensors))
+            self._request(version, tensors=tuple(req.tensors))
             return pb.TriggerUpdateReply(version=version)
         if self.published is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing published yet: the trainer has not called publish(step)")
-        self._request(self.published, mode, tensors=tuple(req.tensors))
+        self._request(self.published, tensors=tuple(req.tensors))
         return pb.TriggerUpdateReply(version=self.published)
 
     async def WaitForVersion(self, req: pb.WaitForVersionRequest, context):
@@ -294,7 +293,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                                 _v(st.version), _v(d.committed))
                     d.committed = pb.Version(run=st.version.run, step=st.version.step)
                     if v is not None and not self.auto_push:
-                        self._request(v, "reshard")
+                        self._request(v)
                     continue
                 if not st.needs_repair or any(w.state not in ("READY", "HELD") for w in st.workers):
                     continue
@@ -307,7 +306,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 warned.discard(d.address)
                 log.warning("deployment %s has ranks that do not hold its version: pushing %s to it again", d.address, _v(v))
                 d.repair = True
-                self._request(v, "reshard")
+                self._request(v)
 
     async def runner(self) -> None:
         """The update loop; an unexpected error is logged and the loop goes on."""
@@ -316,14 +315,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self.wake.clear()
             if self.requested is None:
                 continue
-            version, mode, take_step, patterns = self.requested
+            version, patterns = self.requested
             self.requested = None
             c = self.committed
             if c is not None and c.run == version.run and c.step >= version.step and not any(
                     d.repair for d in self.deployments.values()):
                 continue  # already there
             try:
-                out = await self._one_request(version, mode, take_step, patterns)
+                out = await self._one_request(version, patterns)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - never let the loop die silently
@@ -340,12 +339,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             async with self.changed:
                 self.changed.notify_all()
 
-    async def _one_request(self, version, mode, take_step, patterns) -> pb.UpdateOutcome:
+    async def _one_request(self, version, patterns) -> pb.UpdateOutcome:
         out = None
-        if take_step and (self.published is None or self.published.step < version.step):
+        if not self.auto_push and (self.published is None or self.published.step < version.step):
             out = await self.take_step(version)
         if out is None:
-            out = await self.run_update(version, mode, tuple(sorted(patterns)) if patterns else ())
+            out = await self.run_update(version, tuple(sorted(patterns)) if patterns else ())
         return out
 
     async def take_step(self, version: pb.Version) -> pb.UpdateOutcome | None:
@@ -364,7 +363,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.published = version
         return None
 
-    async def run_update(self, version: pb.Version, mode: str, patterns: tuple[str, ...] = ()) -> pb.UpdateOutcome:
+    async def run_update(self, version: pb.Version, patterns: tuple[str, ...] = ()) -> pb.UpdateOutcome:
         """Push `version` to every attached deployment, one after the other: each has its own
         session, so one that fails or restarts does not abort the others."""
         if not self.deployments:
@@ -378,7 +377,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             if c is not None and c.run == version.run and c.step >= version.step and not (d.repair and c.step == version.step):
                 outs.append((d, pb.UpdateOutcome(ok=True, committed=c, record=pb.UpdateRecord(version=c, ok=True, deployment=d.address))))
                 continue
-            outs.append((d, await self._update_one(d, version, mode, patterns)))
+            outs.append((d, await self._update_one(d, version, patterns)))
         failed = [(d, o) for d, o in outs if not o.ok]
         out = pb.UpdateOutcome(ok=not failed, record=outs[-1][1].record)
         if failed:
@@ -460,7 +459,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             return
         raise UpdateFailed("inference refused the update: it does not accept the source layout")
 
-    async def _update_one(self, d: Deployment, version: pb.Version, mode: str, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
+    async def _update_one(self, d: Deployment, version: pb.Version, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
+        mode = self.method
         t0 = time.monotonic()
         deadline = t0 + self.deadlines.update_s
         self.current = version
@@ -607,13 +607,13 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "",
                 master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False,
-                worker_listen: str = "") -> int:
+                worker_listen: str = "", method: str = RESHARD) -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
     store_host = store_host or local_host(listen)
     ctl = TrainerController(hub, model, inference, run, store_host, deadlines, bucket_bytes=bucket_bytes, backend=backend,
-                            allow_rollback=allow_rollback)
+                            allow_rollback=allow_rollback, method=method)
     ctl.auto_push = not spawn_workers  # standalone workers step and publish when an update is triggered
 
     def command(addr: str, rank: int) -> list[str]:
@@ -634,9 +634,9 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "",
          master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False,
-         worker_listen: str = "") -> int:
+         worker_listen: str = "", method: str = RESHARD) -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
                                        spawn_workers=spawn_workers, store_host=store_host, layout=layout,
                                        master_dtype=master_dtype, backend=backend, device=device,
-                                       allow_rollback=allow_rollback, worker_listen=worker_listen))
+                                       allow_rollback=allow_rollback, worker_listen=worker_listen, method=method))

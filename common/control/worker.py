@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from reshard.common.control import faults
+from reshard.common.control.methods import RESHARD, transfer_method
 from reshard.common.control.rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
 from reshard.common.control.security import Security
 from reshard.common.control.supervisor import CONTROLLER_PID_KEY
@@ -33,9 +34,9 @@ from reshard.common.plan.verify import sender_report
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 from reshard.proto import worker_pb2_grpc as wgrpc
-from reshard.tools import baseline
 
 log = logging.getLogger("reshard.worker")
+
 
 
 class SharedCache:
@@ -356,15 +357,18 @@ class WorkerBase:
         loop = asyncio.get_running_loop()
         opts = PlanOptions(bucket_bytes=p.bucket_bytes) if p.bucket_bytes else PlanOptions()
         subset = set(p.tensors) if p.tensors else None
-        if p.mode == "serialized" and subset is not None:
-            raise LayoutError("the serialized baseline moves whole models: it takes no partial updates")
+        method = p.mode or RESHARD
+        if method != RESHARD:
+            transfer_method(method)  # known here, or the update fails before any byte moves
+            if subset is not None:
+                raise LayoutError(f"transfer method {method!r} moves whole models: it takes no partial updates")
         # Layouts and plans are kept per fingerprint (a trainer feeding two deployments keeps both),
         # and built off the loop, once per process.
         src, dst = await asyncio.gather(loop.run_in_executor(None, _layout, p.src_fingerprint, p.src_layout, "source"),
                                         loop.run_in_executor(None, _layout, p.dst_fingerprint, p.dst_layout, "destination"))
         key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, tuple(sorted(subset or ())))
         plan = await loop.run_in_executor(None, _PLANS.get, key, lambda: make_plan(src, dst, opts, subset))
-        if p.mode != "serialized" and plan.digest != p.plan_digest:
+        if method == RESHARD and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
         self._prepared = (p.update_id, plan, dst)
         await loop.run_in_executor(None, self.before_transfer, p)  # may wait for the engine's step (a lock)
@@ -388,7 +392,7 @@ class WorkerBase:
             done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
             done.memory.update(self.memory)
             if self.side == "src" and sums:  # a source rank's sums per destination piece, as (slot, value) pairs
-                done.checksums.CopyFrom(sender_report(plan, sums, strict=p.mode != "serialized"))
+                done.checksums.CopyFrom(sender_report(plan, sums, strict=(p.mode or RESHARD) == RESHARD))
             elif self.side == "dst":  # what landed, summed as it landed: VERIFY compares these
                 self._landed = (p.update_id, sums)
         except Exception as e:  # noqa: BLE001
@@ -484,8 +488,8 @@ class WorkerBase:
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
-        if p.mode == "serialized":
-            return baseline.run(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
+        if (p.mode or RESHARD) != RESHARD:
+            return transfer_method(p.mode)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
                                 deadline, progress, timeout=p.timeout_s)
         engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
                         progress=progress, checksums=self.side == "src", hook=hook, receiver_sums=self.side == "dst")

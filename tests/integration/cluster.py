@@ -109,8 +109,21 @@ class Cluster:
         if layout_fault:
             tr += ["--layout-fault", layout_fault]
         tr += list(trainer_args)
-        self.procs.append(subprocess.Popen(tr, env=dict(os.environ, RESHARD_LOG_LEVEL="INFO"), stdout=subprocess.DEVNULL,
-                                           stderr=open(f"{self.logdir}/trainer.log", "w"), start_new_session=True))
+        self._trainer_cmd = tr
+        self.procs.append(self._start_trainer(tr))
+        self.wait_serving()
+
+    def _start_trainer(self, cmd: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=dict(os.environ, RESHARD_LOG_LEVEL="INFO"), stdout=subprocess.DEVNULL,
+                                stderr=open(f"{self.logdir}/trainer.log", "a"), start_new_session=True)
+
+    def restart_trainer(self, *extra: str) -> None:
+        """Stop trainer_svc (SIGTERM: it stops its workers) and start it again, same run, with `extra`
+        arguments on top of the first ones (e.g. another --transfer-method)."""
+        old = self.procs[1]
+        old.send_signal(signal.SIGTERM)
+        old.wait(20)
+        self.procs[1] = self._start_trainer(self._trainer_cmd + list(extra))
         self.wait_serving()
 
     def logs(self) -> str:

@@ -141,7 +141,7 @@ def test_dump_during_commits_is_never_torn(cluster):
             with grpc.insecure_channel(c.tr) as ch:
                 stub = rgrpc.TrainerServiceStub(ch)
                 for _ in range(UPDATES):
-                    rep = stub.TriggerUpdate(pb.TriggerUpdateRequest(take_step=True), timeout=60)
+                    rep = stub.TriggerUpdate(pb.TriggerUpdateRequest(), timeout=60)
                     out = stub.WaitForVersion(pb.WaitForVersionRequest(version=rep.version, timeout_s=60), timeout=65)
                     if not out.ok:
                         failed.append(out.error)

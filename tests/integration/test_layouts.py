@@ -65,7 +65,8 @@ def test_fp32_master_weights_cast_on_the_sender():
             assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
             # Not the bf16-trained trajectory: the masters really were float32.
             assert not torch.equal(got, c.expected(name, step))
-        rc, out, err = c.update("--mode", "serialized")  # the baseline casts during its gather
+        c.restart_trainer("--transfer-method", "serialized")  # the baseline casts during its gather
+        rc, out, err = c.update()
         assert rc == 0, err
         got, _ = c.dump("lm_head.weight")
         want = tensor_value(c.seed, "lm_head.weight", out["committed"]["step"], spec["lm_head.weight"].shape, torch.float32)

@@ -75,6 +75,9 @@ def test_service_args_other_checks():
         service_args("trainer", "--listen", "127.0.0.1:1", "--layout", "framework=megatron,tp=2,pp=2", "--workers", "2")
     with pytest.raises(ValueError, match="at least 1"):
         service_args("inference", "--listen", "127.0.0.1:1", "--workers", "0")
+    with pytest.raises(ValueError, match=r"--transfer-method 'bogus' is not installed: reshard, serialized"):
+        service_args("trainer", "--listen", "127.0.0.1:1", "--transfer-method", "bogus")
+    assert service_args("trainer", "--listen", "127.0.0.1:1", "--transfer-method", "serialized").transfer_method == "serialized"
 
 
 def test_the_client_commands_do_not_import_torch():
