@@ -173,7 +173,17 @@ class WorkerBase:
             self._loop.call_soon_threadsafe(self._wake_stop)
         if self._thread:
             self._thread.join(10)
+        # Close the data-plane sessions here, not at interpreter exit: a gloo group torn down then
+        # (its threads still joinable) aborts the process ("terminate called without an active
+        # exception").
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
         self._dp.shutdown(wait=False, cancel_futures=True)
+        for t in sessions:
+            try:
+                t.close()
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                log.debug("%s worker %d: closing a session: %s", self.role, self.rank, e)
 
     def _wake_stop(self) -> None:
         if self._out is not None:

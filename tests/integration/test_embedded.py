@@ -87,6 +87,13 @@ def test_embedded_workers_publish_and_commit(snapshot):
         assert st["model"] == "my-tiny" and st["committed"] == {"run": "emb", "step": 2}
         assert [h["version"]["step"] for h in st["history"] if h["ok"]][-1] == 2
         assert all(isinstance(h["bytes"], int) for h in st["history"]) and st["history"][-1]["bytes"] > 0
+        # stop() closes the data-plane sessions itself: a gloo group left for the interpreter's exit
+        # to tear down can abort the host process ("terminate called without an active exception").
+        sessions = [t for w in trainers + inferences for t in w._sessions.values()]
+        assert sessions and all(t._pg is not None for t in sessions)
+        for w in trainers + inferences:
+            w.stop()
+        assert all(t._pg is None for t in sessions), "a stopped worker left a data-plane session open"
     finally:
         for w in trainers + inferences:
             w.stop()
