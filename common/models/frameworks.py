@@ -220,25 +220,16 @@ def _vocab(name: str, spec: TensorSpec, tp: int, r: int, multiple: int) -> Local
 
 # -- vLLM ----------------------------------------------------------------------------
 
-def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int = 64, columns: bool = True) -> Layout:
+def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int = 64) -> Layout:
     """vLLM's layout: TP ranks per replica, `dp` identical replicas; ep=1 puts whole experts
-    on ranks (expert parallel over tp*dp), ep=0 splits every expert over TP.
-
-    `columns` (the default) builds the routed experts as columns (`reshard.common.layout.columns`);
-    False builds every piece as a Python object (the reference the columns are tested against)."""
+    on ranks (expert parallel over tp*dp), ep=0 splits every expert over TP. Dense buffers are
+    built as objects per TP rank, routed experts as columns (`reshard.common.layout.columns`)."""
     tensors = _tensors(m)
     moe_ep = bool(ep and m.experts)
     if moe_ep:
         per = _div(m.experts, tp * dp, "experts over expert-parallel ranks")
-    if not columns:
-        replica = [_vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple) for r in range(tp)]
-        ranks = []
-        for d in range(dp):
-            for r in range(tp):
-                ranks.append(replica[r] if not moe_ep else _vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple, d))
-        return Layout(tensors, tuple(ranks))
     ctx = _Columns(m, tensors)
-    dense = [ctx.block(_vllm_rank(m, tensors, tp, r, dp, ep, pad_multiple, routed=False)) for r in range(tp)]
+    dense = [ctx.block(_vllm_rank(m, tensors, tp, r, pad_multiple)) for r in range(tp)]
     if not moe_ep:
         classes = [concat([dense[r], _vllm_experts(ctx, np.arange(m.experts), tp, r)]) if m.experts else dense[r]
                    for r in range(tp)]
@@ -248,8 +239,8 @@ def vllm(m: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 0, pad_multiple: int 
     return Layout(tensors, ctx.ranks(classes, range(tp * dp)))
 
 
-def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int, ep: int, mult: int, d: int = 0,
-               routed: bool = True):
+def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, mult: int) -> tuple[LocalBuffer, ...]:
+    """TP rank r's buffers but the routed experts (`_vllm_experts` builds those)."""
     bufs = [_vocab("model.embed_tokens.weight", t["model.embed_tokens.weight"], tp, r, mult)]
     for i in range(m.layers):
         p = f"model.layers.{i}."
@@ -283,17 +274,6 @@ def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int,
             bufs.append(_col_split(p + "mlp.down_proj.weight", t[p + "mlp.down_proj.weight"], tp, r))
             continue
         bufs.append(_whole(p + "mlp.gate.weight", t[p + "mlp.gate.weight"]))
-        if not routed:
-            pass
-        elif ep:
-            world = tp * dp
-            per = _div(m.experts, world, "experts over expert-parallel ranks")
-            experts = range((d * tp + r) * per, (d * tp + r + 1) * per)
-            etp, er = 1, 0
-        else:
-            experts, etp, er = range(m.experts), tp, r
-        if routed:
-            bufs += _expert_stack(p, m, t, experts, etp, er)
         if m.shared_experts:
             s = p + "mlp.shared_experts."
             bufs.append(_fused_rows(s + "gate_up_proj.weight", [t[s + "gate_proj.weight"], t[s + "up_proj.weight"]], tp, r))
@@ -302,33 +282,6 @@ def _vllm_rank(m: ModelSpec, t: dict[str, TensorSpec], tp: int, r: int, dp: int,
     head = "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"
     bufs.append(_vocab("lm_head.weight", t[head], tp, r, mult))
     return tuple(bufs)
-
-
-def _expert_stack(p: str, m: ModelSpec, t: dict[str, TensorSpec], experts: range, etp: int, r: int) -> list[LocalBuffer]:
-    """vLLM FusedMoE: w13_weight [E, 2*I/etp, H] (gate rows then up rows), w2_weight [E, H, I/etp]."""
-    h, inter = m.hidden, m.moe_intermediate
-    per = _div(inter, etp, "moe_intermediate over expert TP")
-    w13, w2 = [], []
-    for k, e in enumerate(experts):
-        x = f"{p}mlp.experts.{e}."
-        w13.append(Piece(x + "gate_proj.weight", Box((k, 0, 0), (1, per, h)), Box((r * per, 0), (per, h))))
-        w13.append(Piece(x + "up_proj.weight", Box((k, per, 0), (1, per, h)), Box((r * per, 0), (per, h))))
-        w2.append(Piece(x + "down_proj.weight", Box((k, 0, 0), (1, h, per)), Box((0, r * per), (h, per))))
-    n = len(experts)
-    return [_flatten_3d(p + "mlp.experts.w13_weight", (n, 2 * per, h), m.dtype, w13),
-            _flatten_3d(p + "mlp.experts.w2_weight", (n, h, per), m.dtype, w2)]
-
-
-def _flatten_3d(name: str, shape: tuple[int, int, int], dtype: str, pieces: list[Piece]) -> LocalBuffer:
-    """A stacked [E, a, b] buffer whose pieces are given as (expert, row, 0)-anchored slabs of whole
-    rows: each becomes a flat piece (the slab is contiguous in the buffer)."""
-    out = []
-    for p in pieces:
-        (e, r0, c0), (_, rows, cols) = p.region.offset, p.region.size
-        assert c0 == 0 and cols == shape[2], "expert slabs span whole rows"
-        start = (e * shape[1] + r0) * shape[2]
-        out.append(Piece(p.tensor, Box((start,), (rows * cols,)), p.box, flat=True))
-    return LocalBuffer(name, shape, dtype, tuple(out))
 
 
 # -- columns -------------------------------------------------------------------------
@@ -442,9 +395,10 @@ def _stage_layers(layers: int, pp: int, vpp: int) -> list[list[int]]:
 
 
 def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1, etp: int = 0, vpp: int = 1,
-             pad_multiple: int = 128, columns: bool = True) -> Layout:
+             pad_multiple: int = 128) -> Layout:
     """Megatron-core's layout (TE names). Rank order tp, cp, dp, pp (tp fastest); expert ranks fold
-    the tp*cp*dp ranks of a stage as etp (fastest), ep, expert-dp. `columns`: as for `vllm`."""
+    the tp*cp*dp ranks of a stage as etp (fastest), ep, expert-dp. Dense buffers are built as
+    objects per (TP rank, stage), routed experts as columns."""
     etp = etp or tp
     inner = tp * cp * dp
     if inner % (etp * ep):
@@ -455,7 +409,7 @@ def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, e
         raise LayoutError(f"megatron: kv_heads={m.kv_heads} (query groups) not divisible by tp={tp}")
     t = _tensors(m)
     stages = _stage_layers(m.layers, pp, vpp)
-    ctx = _Columns(m, t) if columns else None
+    ctx = _Columns(m, t)
     cache: dict[tuple, int] = {}
     classes: list = []
     dense: dict[tuple, ClassCols] = {}
@@ -467,22 +421,17 @@ def megatron(m: ModelSpec, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, e
         key = (tr, s, i % etp, er)
         if key not in cache:
             cache[key] = len(classes)
-            args = (m, t, tp, tr, stages[s], s == 0, s == pp - 1, etp, i % etp, ep, er, pad_multiple * tp)
-            if ctx is None:
-                classes.append(_megatron_rank(*args))
-            else:
-                if (tr, s) not in dense:
-                    dense[tr, s] = ctx.block(_megatron_rank(*args, routed=False))
-                if (s, i % etp, er) not in routed:
-                    routed[s, i % etp, er] = _megatron_experts(ctx, stages[s], etp, i % etp, ep, er)
-                classes.append(concat([dense[tr, s], routed[s, i % etp, er]]))
+            if (tr, s) not in dense:
+                dense[tr, s] = ctx.block(_megatron_rank(m, t, tp, tr, stages[s], s == 0, s == pp - 1, pad_multiple * tp))
+            if (s, i % etp, er) not in routed:
+                routed[s, i % etp, er] = _megatron_experts(ctx, stages[s], etp, i % etp, ep, er)
+            classes.append(concat([dense[tr, s], routed[s, i % etp, er]]))
         rank_class.append(cache[key])
-    if ctx is None:
-        return Layout(t, tuple(classes[c] for c in rank_class))
     return Layout(t, ctx.ranks(classes, rank_class))
 
 
-def _megatron_rank(m, t, tp, r, layers, first, last, etp, etr, ep, er, mult, routed=True):
+def _megatron_rank(m, t, tp, r, layers, first, last, mult) -> tuple[LocalBuffer, ...]:
+    """TP rank r's buffers on a stage of `layers`, but the routed experts (`_megatron_experts`)."""
     bufs = []
     emb = t["model.embed_tokens.weight"]
     if first:
@@ -522,12 +471,6 @@ def _megatron_rank(m, t, tp, r, layers, first, last, etp, etr, ep, er, mult, rou
             continue
         bufs.append(_whole(mg + "pre_mlp_layernorm.weight", t[hf + "post_attention_layernorm.weight"]))
         bufs.append(_whole(mg + "mlp.router.weight", t[hf + "mlp.gate.weight"]))
-        per = m.experts // ep if routed else 0
-        for k in range(per):
-            e = er * per + k
-            x, y = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{k}."
-            bufs.append(_fused_rows(y + "linear_fc1.weight", [t[x + "gate_proj.weight"], t[x + "up_proj.weight"]], etp, etr))
-            bufs.append(_col_split(y + "linear_fc2.weight", t[x + "down_proj.weight"], etp, etr))
         if m.shared_experts:
             x, y = hf + "mlp.shared_experts.", mg + "mlp.shared_experts."
             bufs.append(_fused_rows(y + "linear_fc1.weight", [t[x + "gate_proj.weight"], t[x + "up_proj.weight"]], tp, r))

@@ -147,14 +147,16 @@ COLUMN_CASES = [
 @pytest.mark.parametrize("model,spec", COLUMN_CASES)
 def test_columnar_builders_match_object_builders(model, spec):
     """The builders emit routed experts as columns; rank by rank the buffers equal those the
-    object builders make piece by piece (buffer order may differ), replicas still share one
-    tuple, and the columns survive the wire: same fingerprint and plan digest after decoding."""
+    object twins of tests/unit/reference_layouts.py make piece by piece (buffer order may
+    differ), replicas still share one tuple, and the columns survive the wire: same fingerprint
+    and plan digest after decoding."""
     from reshard.common.layout.columns import ColumnRanks
     from reshard.common.models.frameworks import BUILDERS
+    from tests.unit.reference_layouts import OBJECT_BUILDERS
 
     m = model_spec(model)
     fw, kw = parse_spec(spec)
-    cols, objs = BUILDERS[fw](m, **kw), BUILDERS[fw](m, **kw, columns=False)
+    cols, objs = BUILDERS[fw](m, **kw), OBJECT_BUILDERS[fw](m, **kw)
     assert isinstance(cols.ranks, ColumnRanks) and not isinstance(objs.ranks, ColumnRanks)
     assert [{b.name: b for b in bufs} for bufs in cols.ranks] == [{b.name: b for b in bufs} for bufs in objs.ranks]
     assert [len({id(cols.ranks[r]) for r in range(cols.world)})] == [len({id(b) for b in objs.ranks})]
