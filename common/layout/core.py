@@ -258,63 +258,6 @@ class Layout:
                 return b
         raise KeyError(f"rank {rank} has no buffer {name!r}")
 
-    # -- serialization ---------------------------------------------------------------
-    def to_json(self) -> dict:
-        """JSON form. Ranks holding one buffers object (replicas) share one entry of `classes`;
-        `rank_class` maps each rank to its entry."""
-        index: dict[int, int] = {}
-        classes = []
-        for bufs in self.ranks:
-            if id(bufs) not in index:
-                index[id(bufs)] = len(classes)
-                classes.append(bufs)
-        return {
-            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors.values()],
-            "allow_casts": self.allow_casts,
-            "classes": [
-                [
-                    {
-                        "name": b.name,
-                        "shape": list(b.shape),
-                        "dtype": b.dtype,
-                        "pieces": [[p.tensor, p.region.to_json(), p.box.to_json()] + ([1] if p.flat else []) for p in b.pieces],
-                        "padding": [p.to_json() for p in b.padding],
-                    }
-                    for b in bufs
-                ]
-                for bufs in classes
-            ],
-            "rank_class": [index[id(bufs)] for bufs in self.ranks],
-        }
-
-    @staticmethod
-    def from_json(obj: dict) -> Layout:
-        def box(j: list) -> Box:
-            return Box(tuple(j[0]), tuple(j[1]))
-
-        try:
-            tensors = {n: TensorSpec(n, tuple(s), d) for n, s, d in obj["tensors"]}
-            classes = [
-                tuple(
-                    LocalBuffer(
-                        b["name"],
-                        tuple(b["shape"]),
-                        b["dtype"],
-                        tuple(Piece(p[0], box(p[1]), box(p[2]), bool(p[3]) if len(p) > 3 else False) for p in b["pieces"]),
-                        tuple(box(p) for p in b.get("padding", [])),
-                    )
-                    for b in bufs
-                )
-                for bufs in (obj["classes"] if "classes" in obj else obj["ranks"])
-            ]
-            rank_class = obj["rank_class"] if "classes" in obj else range(len(classes))
-            ranks = tuple(classes[c] for c in rank_class)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, LayoutError):
-                raise
-            raise LayoutError(f"malformed layout: {e!r}") from e
-        return Layout(tensors, ranks, bool(obj.get("allow_casts", False)))
-
     @property
     def payload_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

@@ -3,11 +3,9 @@ not depend on their encodings, so the layout package has no import cycle.
 
 The wire form is columns, not pieces (`columns.encode`): made once per layout and kept in
 its memo, as is the fingerprint (a digest of the content: equal layouts, however built or
-encoded, share it). `layout_from_bytes` also reads a layout's JSON (`Layout.to_json`)."""
+encoded, share it). There is no other encoding: anything else is refused as malformed."""
 
 from __future__ import annotations
-
-import json
 
 from reshard.common.layout.columns import decode, encode
 from reshard.common.layout.core import Layout, LayoutError
@@ -24,11 +22,7 @@ def layout_bytes(layout: Layout) -> bytes:
 def layout_from_bytes(data: bytes) -> Layout:
     if data[:3] == b"RSL":  # the wire form (an older one is refused by name)
         return decode(data)
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise LayoutError(f"malformed layout: {e}") from e
-    return Layout.from_json(obj)
+    raise LayoutError(f"malformed layout: not a layout's wire form (starts {bytes(data[:8])!r})")
 
 
 def layout_fingerprint(layout: Layout) -> str:

@@ -743,13 +743,6 @@ def test_flat_flag_changes_fingerprint():
     assert layout_fingerprint(back) == layout_fingerprint(flat)
     boxed = Layout(W, ((LocalBuffer("f", (4, 4), "float32", (Piece("w", Box.full((4, 4)), Box.full((4, 4))),)),),))
     assert layout_fingerprint(boxed) != layout_fingerprint(flat)
-    j = flat.to_json()
-    # The older encoding (one entry per rank under "ranks", pieces of three fields) still reads.
-    old = {"tensors": j["tensors"], "allow_casts": j["allow_casts"],
-           "ranks": [[{**j["classes"][0][0], "pieces": [["w", [[0], [16]], [[0, 0], [4, 4]]]]}]]}
-    unflagged = Layout.from_json(old)
-    assert unflagged.ranks[0][0].pieces[0].flat is False  # old three-field form reads as boxed
-    assert layout_fingerprint(unflagged) != layout_fingerprint(flat)
 
 
 def test_table_padding_of_mixed_ranks():
