@@ -100,10 +100,18 @@ class Step(_message.Message):
     def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "has_outcome", "ok", "error", "delivered")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAS_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
     version: _reshard_pb2.Version
-    def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
+    has_outcome: bool
+    ok: bool
+    error: str
+    delivered: _reshard_pb2.Version
+    def __init__(self, version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_outcome: _Optional[bool] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., delivered: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class NcclUniqueId(_message.Message):
     __slots__ = ("session",)

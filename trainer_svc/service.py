@@ -320,7 +320,9 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             c = self.committed
             if c is not None and c.run == version.run and c.step >= version.step and not any(
                     d.repair for d in self.deployments.values()):
+                self.hub.send_all(release=wpb.Release(version=version, has_outcome=True, ok=True, delivered=c))
                 continue  # already there
+            out = None
             try:
                 out = await self._one_request(version, patterns)
             except asyncio.CancelledError:
@@ -332,7 +334,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             finally:
                 # Every deployment has this version now, or failed and will get a newer one: the
                 # trainer may write its weights again (never earlier: a later deployment still reads them).
-                self.hub.send_all(release=wpb.Release(version=version))
+                rel = wpb.Release(version=version)
+                if out is not None:
+                    rel.has_outcome, rel.ok, rel.error = True, out.ok, out.error
+                    if out.ok and out.HasField("committed"):
+                        rel.delivered.CopyFrom(out.committed)
+                self.hub.send_all(release=rel)
             self.outcomes[_v(version)] = out
             if len(self.outcomes) > 1000:
                 self.outcomes.pop(next(iter(self.outcomes)))

@@ -33,27 +33,46 @@ log = logging.getLogger("reshard.trainer")
 
 
 class PublishHandle:
-    """Says when the trainer may write its weights again."""
+    """Says when the trainer may write its weights again, and whether the version reached inference.
+
+    `wait()` returns once the weights are writable (every attached deployment has the version, or
+    its update failed); then `ok` says whether the update that carried it (this version, or a
+    newer one it was coalesced into: `delivered`) committed on every deployment, and `error` why
+    not. With `snapshot=True` the weights are writable at once and the outcome comes later:
+    `wait_outcome()` waits for it."""
 
     def __init__(self, version: pb.Version, writable: bool) -> None:
         self.version = version
         self._event = threading.Event()
+        self._outcome = threading.Event()
         self._t0 = time.perf_counter()
         self.stall_seconds = 0.0
+        self.ok: bool | None = None
+        """True: committed everywhere; False: the update failed (`error`); None: not known (yet)."""
+        self.error = ""
+        self.delivered: pb.Version | None = None
         if writable:
             self._event.set()
 
-    def _release(self) -> None:
+    def _release(self, ok: bool | None = None, error: str = "", delivered: pb.Version | None = None) -> None:
+        self.ok, self.error, self.delivered = ok, error, delivered
         if not self._event.is_set():
             self.stall_seconds = time.perf_counter() - self._t0
             self._event.set()
+        self._outcome.set()
 
     @property
     def writable(self) -> bool:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
+        """True once the weights may be written again (False: the timeout passed first)."""
         return self._event.wait(timeout)
+
+    def wait_outcome(self, timeout: float | None = None) -> bool | None:
+        """The update's outcome (`ok`), waiting for it up to `timeout`; None if still unknown."""
+        self._outcome.wait(timeout)
+        return self.ok
 
 
 class TrainerWorker(WorkerBase):
@@ -108,8 +127,7 @@ class TrainerWorker(WorkerBase):
             torch.cuda.current_stream(self.device).synchronize()
         handle = PublishHandle(version, writable=self.snapshot is not None)
         with self._lock:
-            if not handle.writable:
-                self._handles.append(handle)
+            self._handles.append(handle)
         self.version = version
         self.emit(wpb.WorkerMessage(published=wpb.Published(version=version)))
         return handle
@@ -117,12 +135,13 @@ class TrainerWorker(WorkerBase):
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.snapshot if self.snapshot is not None else self.live
 
-    def _release_upto(self, step: int | None) -> None:
+    def _release_upto(self, step: int | None, ok: bool | None = None, error: str = "",
+                      delivered: pb.Version | None = None) -> None:
         with self._lock:
             keep = []
             for h in self._handles:
                 if step is None or h.version.step <= step:
-                    h._release()
+                    h._release(ok, error, delivered)
                 else:
                     keep.append(h)
             self._handles = keep
@@ -130,8 +149,11 @@ class TrainerWorker(WorkerBase):
     async def _on_release(self, r: wpb.Release, cid: int) -> None:
         """The controller is done with every version up to r.version on every deployment."""
         faults.at_phase("trainer-worker", "COMMIT", self.rank)
-        self._release_upto(r.version.step)
+        if r.has_outcome:
+            self._release_upto(r.version.step, r.ok, r.error, r.delivered if r.HasField("delivered") else None)
+        else:
+            self._release_upto(r.version.step)
 
     def stop(self) -> None:
         super().stop()
-        self._release_upto(None)  # nothing reads the weights any more
+        self._release_upto(None, None, f"trainer worker {self.rank} stopped")  # nothing reads the weights any more

@@ -68,6 +68,7 @@ def test_embedded_workers_publish_and_commit(snapshot):
             for h in handles:
                 assert h.wait(60), "weights never became writable"
                 assert h.writable
+                assert h.wait_outcome(60) is True and h.error == "" and h.delivered.step == step, (h.ok, h.error)
             if snapshot:
                 assert all(h.stall_seconds == 0.0 for h in handles)
             t0 = time.monotonic()
@@ -133,7 +134,7 @@ def test_a_layout_mismatch_reaches_a_rank_waiting_for_that_version():
         workers.append(trainer)
         for w in workers:
             assert w.wait_connected(60)
-        trainer.publish(5)
+        handle = trainer.publish(5)
         t0 = time.monotonic()
         for w in workers[:2]:
             assert w.wait_for_version(5, "mm", timeout=60) is None
@@ -141,6 +142,8 @@ def test_a_layout_mismatch_reaches_a_rank_waiting_for_that_version():
             assert why is not None and bad in why, why
             assert w.version is None  # it serves what it served: nothing was committed
         assert time.monotonic() - t0 < 30, "the waiting ranks were not told at once"
+        # The trainer learns it too: its handle says the update failed, and why.
+        assert handle.wait(60) and handle.ok is False and bad in handle.error, (handle.ok, handle.error)
     finally:
         for w in workers:
             w.stop()
