@@ -5,6 +5,7 @@ then generates with them.
     python examples/vllm_fsdp2.py                 # starts its own reshard controllers
     python examples/vllm_fsdp2.py --json out.json --save-weights DIR
     python examples/vllm_fsdp2.py --server        # a vLLM server (`vllm serve`) instead of an offline LLM
+    python examples/vllm_fsdp2.py --model mixtral --expert-parallel   # whole experts on each vLLM rank
 
 What the user code does, on each side:
   trainer ranks: worker = TrainerWorker.from_module(WORKERS, model); ...; worker.publish(step).wait()
@@ -110,12 +111,12 @@ def start_controllers(tmp: str, tp: int, world: int) -> tuple[list[subprocess.Po
 class Offline:
     """vLLM in this process (`vllm.LLM`)."""
 
-    def __init__(self, model_dir: str, tp: int, workers: str) -> None:
+    def __init__(self, model_dir: str, tp: int, workers: str, expert_parallel: bool = False) -> None:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
                        max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
-                       weight_transfer_config={"backend": "reshard"})
+                       enable_expert_parallel=expert_parallel, weight_transfer_config={"backend": "reshard"})
         self.llm.init_weight_transfer_engine({"init_info": {"controller": workers}})
         self.greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
 
@@ -200,6 +201,7 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     ap.add_argument("--model", choices=sorted(CONFIGS), default=default_model)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--server", action="store_true", help="drive a vLLM server over HTTP instead of an offline LLM")
+    ap.add_argument("--expert-parallel", action="store_true", help="vLLM places whole experts on ranks (MoE models)")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
     args = ap.parse_args()
@@ -222,7 +224,7 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
         for p in trainers:  # they build their model and attach while vLLM starts; they train when told to
             p.start()
         t0 = time.perf_counter()
-        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers)
+        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel)
         results["engine_start_seconds"] = time.perf_counter() - t0
         for _ in range(args.steps):
             for g in go:

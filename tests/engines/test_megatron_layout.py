@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, port: int, vocab_pad: int) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("vocab_pad", [0, 24])
+@pytest.mark.parametrize("vocab_pad", [pytest.param(0, marks=pytest.mark.slow), 24])  # slow: 24 covers more (padding)
 def test_megatron_core_layout_matches_an_independent_conversion(vocab_pad):
     import torch.multiprocessing as mp
 

@@ -42,17 +42,18 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     return out
 
 
-@pytest.mark.parametrize("example,model,server", [
-    ("vllm_fsdp2.py", "llama", False),
+@pytest.mark.parametrize("example,model,extra", [
+    ("vllm_fsdp2.py", "llama", ()),
     # slow: each starts another vLLM engine (about 50 s)
-    pytest.param("vllm_fsdp2.py", "mixtral", False, marks=pytest.mark.slow),
-    pytest.param("vllm_fsdp2.py", "llama", True, marks=pytest.mark.slow),  # a vLLM server driven over HTTP
-    pytest.param("vllm_megatron.py", "llama-gqa", False, marks=pytest.mark.slow),  # a Megatron-core trainer
+    pytest.param("vllm_fsdp2.py", "mixtral", (), marks=pytest.mark.slow),  # stacked experts split by TP
+    pytest.param("vllm_fsdp2.py", "mixtral", ("--expert-parallel",), marks=pytest.mark.slow),  # whole experts by EP
+    pytest.param("vllm_fsdp2.py", "llama", ("--server",), marks=pytest.mark.slow),  # a vLLM server driven over HTTP
+    pytest.param("vllm_megatron.py", "llama-gqa", (), marks=pytest.mark.slow),  # a Megatron-core trainer
 ])
-def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, server):
+def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
     r = subprocess.run([sys.executable, os.path.join(EXAMPLES, example), "--model", model, "--json", str(tmp_path / "out.json"),
-                        "--save-weights", str(tmp_path), *(["--server"] if server else [])],
+                        "--save-weights", str(tmp_path), *extra],
                        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads((tmp_path / "out.json").read_text())
