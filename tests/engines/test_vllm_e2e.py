@@ -43,12 +43,12 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
 
 
 @pytest.mark.parametrize("example,model,extra", [
-    ("vllm_fsdp2.py", "llama", ()),
+    pytest.param("vllm_fsdp2.py", "llama", (), id="fsdp2-llama"),
     # slow: each starts another vLLM engine (about 50 s)
-    pytest.param("vllm_fsdp2.py", "mixtral", (), marks=pytest.mark.slow),  # stacked experts split by TP
-    pytest.param("vllm_fsdp2.py", "mixtral", ("--expert-parallel",), marks=pytest.mark.slow),  # whole experts by EP
-    pytest.param("vllm_fsdp2.py", "llama", ("--server",), marks=pytest.mark.slow),  # a vLLM server driven over HTTP
-    pytest.param("vllm_megatron.py", "llama-gqa", (), marks=pytest.mark.slow),  # a Megatron-core trainer
+    pytest.param("vllm_fsdp2.py", "mixtral", (), marks=pytest.mark.slow, id="fsdp2-mixtral-tp"),  # stacked experts split by TP
+    pytest.param("vllm_fsdp2.py", "mixtral", ("--expert-parallel",), marks=pytest.mark.slow, id="fsdp2-mixtral-ep"),  # whole experts by EP
+    pytest.param("vllm_fsdp2.py", "llama", ("--server",), marks=pytest.mark.slow, id="fsdp2-llama-server"),  # a vLLM server driven over HTTP
+    pytest.param("vllm_megatron.py", "llama-gqa", (), marks=pytest.mark.slow, id="megatron-llama"),  # a Megatron-core trainer
 ])
 def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
