@@ -5,7 +5,8 @@ then generates with them.
     python examples/vllm_fsdp2.py                 # starts its own reshard controllers
     python examples/vllm_fsdp2.py --json out.json --save-weights DIR
     python examples/vllm_fsdp2.py --server        # a vLLM server (`vllm serve`) instead of an offline LLM
-    python examples/vllm_fsdp2.py --model mixtral --expert-parallel   # whole experts on each vLLM rank
+    python examples/vllm_fsdp2.py --model mixtral --expert-parallel   # whole experts per vLLM rank (GPU builds:
+                                                  # vLLM's CPU build 0.32 crashes in its fused-MoE kernel under EP)
 
 What the user code does, on each side:
   trainer ranks: worker = TrainerWorker.from_module(WORKERS, model); ...; worker.publish(step).wait()
