@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
-from reshard.common.layout.placement import Replicate, Shard, expand
+from reshard.common.layout.placement import Replicate, Shard, box_at
 from reshard.integrations.names import Names, canonical_name
 
 
@@ -51,8 +51,8 @@ def _box(name: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], placeme
     for i, last in strided:  # expand the strided dimension right after the ones that split first
         order.remove(i)
         order.insert(order.index(last) + 1, i)
-    boxes = expand(shape, tuple(mesh_shape[j] for j in order), tuple(plain[j] for j in order), name)
-    return boxes[tuple(coord[j] for j in order)]
+    return box_at(shape, tuple(mesh_shape[j] for j in order), tuple(plain[j] for j in order), tuple(coord[j] for j in order),
+                  name)
 
 
 def module_layout(module: torch.nn.Module, *, names: Names = None, rank: int | None = None,

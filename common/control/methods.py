@@ -6,6 +6,8 @@ names methods without importing the data plane."""
 
 from __future__ import annotations
 
+import functools
+
 from reshard.common.layout.core import LayoutError
 
 RESHARD = "reshard"  # the parallel reshard: the one transfer method of the core
@@ -20,9 +22,11 @@ def transfer_methods() -> list[str]:
     return [RESHARD, *sorted(ep.name for ep in entry_points(group=METHODS_GROUP) if ep.name != RESHARD)]
 
 
+@functools.cache
 def transfer_method(name: str):
     """A plugged-in method's `run(side, transport, session, rank, src, dst, buffers, shapes, pool,
-    deadline, progress, timeout)`, which moves whole tensors and returns (sums, bytes, checksum s)."""
+    deadline, progress, timeout)`, which moves whole tensors and returns (sums, bytes, checksum s).
+    Looked up once per process (installed entry points do not change while it runs)."""
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=METHODS_GROUP):

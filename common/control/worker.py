@@ -38,7 +38,6 @@ from reshard.proto import worker_pb2_grpc as wgrpc
 log = logging.getLogger("reshard.worker")
 
 
-
 class SharedCache:
     """A small process-wide LRU whose values are built once, even when several workers of one
     process (colocated ranks, tests) ask for the same key at the same time."""
@@ -402,7 +401,7 @@ class WorkerBase:
             done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
             done.memory.update(self.memory)
             if self.side == "src" and sums:  # a source rank's sums per destination piece, as (slot, value) pairs
-                done.checksums.CopyFrom(sender_report(plan, sums, strict=(p.mode or RESHARD) == RESHARD))
+                done.checksums.CopyFrom(sender_report(plan, sums, strict=not p.mode or p.mode == RESHARD))
             elif self.side == "dst":  # what landed, summed as it landed: VERIFY compares these
                 self._landed = (p.update_id, sums)
         except Exception as e:  # noqa: BLE001
@@ -498,7 +497,7 @@ class WorkerBase:
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
-        if (p.mode or RESHARD) != RESHARD:
+        if p.mode and p.mode != RESHARD:  # a tool's method (checked known at prepare)
             return transfer_method(p.mode)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
                                 deadline, progress, timeout=p.timeout_s)
         engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,

@@ -53,32 +53,46 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return out
 
 
-def expand(shape: Sequence[int], mesh: Sequence[int], placements: Sequence[Placement], name: str = "tensor") -> dict[tuple[int, ...], Box]:
-    """The box each mesh coordinate holds (possibly empty) for one tensor."""
-    shape, mesh = tuple(shape), tuple(mesh)
+def _check(shape: tuple[int, ...], mesh: tuple[int, ...], placements: Sequence[Placement], name: str) -> None:
     if len(placements) != len(mesh):
         raise LayoutError(f"{name}: {len(placements)} placements for a mesh of {len(mesh)} dimensions")
     for p in placements:
         if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
             raise LayoutError(f"{name}: Shard({p.dim}) of a {len(shape)}-d tensor")
-    out = {}
-    for coord in itertools.product(*(range(m) for m in mesh)):
-        offset, size = [0] * len(shape), list(shape)
-        for mdim, p in enumerate(placements):
-            if isinstance(p, Replicate):
-                continue
-            if p.sizes is not None:
-                if len(p.sizes) != mesh[mdim] or sum(p.sizes) != size[p.dim]:
-                    raise LayoutError(
-                        f"{name}: Shard({p.dim}) sizes {list(p.sizes)} must be {mesh[mdim]} sizes summing to {size[p.dim]}")
-                sizes = list(p.sizes)
-            else:
-                sizes = chunk_sizes(size[p.dim], mesh[mdim])
-            k = coord[mdim]
-            offset[p.dim] += sum(sizes[:k])
-            size[p.dim] = sizes[k]
-        out[coord] = Box(tuple(offset), tuple(size))
-    return out
+
+
+def _box_at(shape: tuple[int, ...], mesh: tuple[int, ...], placements: Sequence[Placement], coord: Sequence[int],
+            name: str) -> Box:
+    offset, size = [0] * len(shape), list(shape)
+    for mdim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if p.sizes is not None:
+            if len(p.sizes) != mesh[mdim] or sum(p.sizes) != size[p.dim]:
+                raise LayoutError(
+                    f"{name}: Shard({p.dim}) sizes {list(p.sizes)} must be {mesh[mdim]} sizes summing to {size[p.dim]}")
+            sizes = list(p.sizes)
+        else:
+            sizes = chunk_sizes(size[p.dim], mesh[mdim])
+        k = coord[mdim]
+        offset[p.dim] += sum(sizes[:k])
+        size[p.dim] = sizes[k]
+    return Box(tuple(offset), tuple(size))
+
+
+def box_at(shape: Sequence[int], mesh: Sequence[int], placements: Sequence[Placement], coord: Sequence[int],
+           name: str = "tensor") -> Box:
+    """The box one mesh coordinate holds (possibly empty): `expand(...)[coord]` without the others."""
+    shape, mesh = tuple(shape), tuple(mesh)
+    _check(shape, mesh, placements, name)
+    return _box_at(shape, mesh, placements, coord, name)
+
+
+def expand(shape: Sequence[int], mesh: Sequence[int], placements: Sequence[Placement], name: str = "tensor") -> dict[tuple[int, ...], Box]:
+    """The box each mesh coordinate holds (possibly empty) for one tensor."""
+    shape, mesh = tuple(shape), tuple(mesh)
+    _check(shape, mesh, placements, name)
+    return {coord: _box_at(shape, mesh, placements, coord, name) for coord in itertools.product(*(range(m) for m in mesh))}
 
 
 def _lookup(placements: Mapping[str, Sequence[Placement]], name: str) -> Sequence[Placement]:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from reshard.common.dataplane.engine import execute_in_memory
 from reshard.common.layout.core import LayoutError, TensorSpec
-from reshard.common.layout.placement import Replicate, Shard, chunk_sizes, expand, placement_layout
+from reshard.common.layout.placement import Replicate, Shard, box_at, chunk_sizes, expand, placement_layout
 from reshard.common.plan.planner import PlanOptions, make_plan
 
 
@@ -39,6 +39,7 @@ def test_expand_matches_torch_chunk(case):
     boxes = expand(shape, mesh, pl)
     for coord in itertools.product(*(range(m) for m in mesh)):
         assert torch.equal(t[boxes[coord].slices()], chunk_slice(t, mesh, pl, coord))
+        assert torch.equal(t[box_at(shape, mesh, pl, coord).slices()], chunk_slice(t, mesh, pl, coord))  # one coordinate alone
 
 
 @given(placed(), placed(), st.integers(4096, 20000))
