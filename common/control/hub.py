@@ -21,7 +21,7 @@ import grpc
 
 from reshard.common.control.rpc import keep_task
 from reshard.common.control.supervisor import CONTROLLER_PID_KEY
-from reshard.common.layout.core import Layout
+from reshard.common.layout.core import Layout, merge_ranks
 from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
@@ -404,8 +404,6 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 def merge_rank_layouts(conns: list[WorkerConn]) -> Layout:
     """One side's layout, assembled from the rank layouts its workers declared in their hello:
     in columns, each distinct rank layout decoded once (replicas declare the same bytes)."""
-    from reshard.common.layout.columns import merge_ranks
-
     parts: list[Layout] = []
     index: dict[bytes, int] = {}
     rank_part = []

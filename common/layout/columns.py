@@ -1,15 +1,15 @@
-"""Layouts held as columns.
+"""The column form: how every layout holds its ranks.
 
 A layout of a large model holds millions of pieces. The framework builders emit
-them as numpy columns, one block per *class* (ranks with identical buffers), and
-the planner reads those columns directly (`tables.build_table`). Python `Piece`
-and `LocalBuffer` objects are made only for the ranks someone asks for
-(`ColumnRanks[rank]`: a worker's own buffers, an error message, `to_json`).
+them as numpy columns, one block per *class* (ranks with identical buffers), the
+wire form carries them, and the planner reads them directly (`tables.build_table`).
+Python `Piece` and `LocalBuffer` objects are a view, made only for the ranks
+someone asks for (`ColumnRanks[rank]`: a worker's own buffers, an error message).
 
-`ClassCols` is also the planner's intermediate form for layouts built from
-objects (hand-written, decoded from the wire): `from_buffers` reads them into the
-same columns, so both kinds of layout go through one path and give the same
-table, fingerprint and plan.
+A layout written by hand as Python buffers (a test, an engine integration that
+reads a live model) is read into the same columns once, when the `Layout` is
+made (`ColumnRanks.of_buffers`), and keeps its buffers as that view: every
+layout goes through one path and gives the same table, fingerprint and plan.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from reshard.common.layout.core import DTYPES, Box, LocalBuffer, Piece
+from reshard.common.layout.values import DTYPES, Box, LayoutError, LocalBuffer, Piece, TensorSpec
 
 DTYPE_IDS = {name: i for i, name in enumerate(DTYPES)}
 DTYPE_NAMES = list(DTYPES)
+_VIEW_DTYPES = DTYPE_NAMES + ["unknown"]  # id -1: a dtype the sender's reshard did not know
 
 
 def pad_rows(rows: list[tuple], n: int, fill: int, lens: np.ndarray | None = None) -> np.ndarray:
@@ -53,7 +54,8 @@ class ClassCols:
     padded (offset 0, size 1).
 
     Names are ids: `buf_name` into the layout's buffer-name list, `p_tensor` into its tensor-name
-    list (-1: a tensor the layout does not declare)."""
+    list; a negative `p_tensor` -1-k names the k-th tensor the layout does not declare (kept so
+    that the validator can name it)."""
 
     buf_name: np.ndarray    # (B,)
     buf_dtype: np.ndarray   # (B,) index into DTYPES, -1 unknown
@@ -92,8 +94,16 @@ class ClassCols:
         return dataclasses.replace(self, **{f: fit_width(getattr(self, f), w, 1 if f in _SIZES else 0) for f in _WIDE})
 
     @staticmethod
-    def from_buffers(bufs: Sequence[LocalBuffer], tensor_id: dict[str, int], name_id: dict[str, int]) -> ClassCols:
-        """Columns of Python buffers (names interned into `name_id` in order of first use)."""
+    def from_buffers(bufs: Sequence[LocalBuffer], tensor_id: dict[str, int], name_id: dict[str, int],
+                     undeclared: dict[str, int] | None = None) -> ClassCols:
+        """Columns of Python buffers (buffer names interned into `name_id`, and names of tensors
+        missing from `tensor_id` into `undeclared`, in order of first use)."""
+        undeclared = {} if undeclared is None else undeclared
+
+        def tensor(n: str) -> int:
+            i = tensor_id.get(n)
+            return -1 - undeclared.setdefault(n, len(undeclared)) if i is None else i
+
         counts = np.fromiter(map(len, (b.pieces for b in bufs)), dtype=np.int64, count=len(bufs))
         allp = [p for b in bufs for p in b.pieces]
         regions = [p.region for p in allp]
@@ -111,16 +121,18 @@ class ClassCols:
             buf_shape=pad_rows(shapes, w, 1, bndim),
             buf_ndim=bndim,
             buf_padding={i: b.padding for i, b in enumerate(bufs) if b.padding},
-            p_tensor=np.fromiter(map(tensor_id.get, (p.tensor for p in allp), itertools.repeat(-1)), dtype=np.int64,
-                                 count=len(allp)),
+            p_tensor=np.fromiter(map(tensor, (p.tensor for p in allp)), dtype=np.int64, count=len(allp)),
             p_buf=np.repeat(np.arange(len(bufs), dtype=np.int64), counts),
             p_flat=np.fromiter((p.flat for p in allp), dtype=bool, count=len(allp)),
             r_off=pad_rows(r_off, w, 0, rndim), r_size=pad_rows(r_size, w, 1, rndim), r_ndim=rndim,
             off=pad_rows(x_off, w, 0, ndim), size=pad_rows(x_size, w, 1, ndim), ndim=ndim,
         )
 
-    def to_buffers(self, tensor_names: Sequence[str], buffer_names: Sequence[str]) -> tuple[LocalBuffer, ...]:
+    def to_buffers(self, tensor_names: Sequence[str], buffer_names: Sequence[str],
+                   undeclared: Sequence[str] = ()) -> tuple[LocalBuffer, ...]:
         """The class as Python buffers."""
+        # Undeclared tensors at the end, reversed: index -1-k is then undeclared[k].
+        tensor_names = list(tensor_names) + list(reversed(undeclared))
         bn, bd, bs = self.buf_name.tolist(), self.buf_ndim.tolist(), self.buf_shape.tolist()
         dts = self.buf_dtype.tolist()
         pt, pf = self.p_tensor.tolist(), self.p_flat.tolist()
@@ -134,7 +146,7 @@ class ClassCols:
                 pieces.append(Piece(tensor_names[pt[j]], Box(tuple(ro[j][:rn[j]]), tuple(rs[j][:rn[j]])),
                                     Box(tuple(xo[j][:xn[j]]), tuple(xs[j][:xn[j]])), bool(pf[j])))
             k += counts[b]
-            out.append(LocalBuffer(buffer_names[bn[b]], tuple(bs[b][:bd[b]]), DTYPE_NAMES[dts[b]], tuple(pieces),
+            out.append(LocalBuffer(buffer_names[bn[b]], tuple(bs[b][:bd[b]]), _VIEW_DTYPES[dts[b]], tuple(pieces),
                                    self.buf_padding.get(b, ())))
         return tuple(out)
 
@@ -171,16 +183,43 @@ def concat(blocks: Sequence[ClassCols]) -> ClassCols:
 
 
 class ColumnRanks(Sequence):
-    """`Layout.ranks` of a layout held as columns: rank r's buffers are made on first access and
-    kept, one tuple per class (replicas share it, as they share one tuple in a built layout)."""
+    """`Layout.ranks`: every rank's buffers as columns, one `ClassCols` per class. Rank r's
+    buffers (`ranks[r]`) are a view made on first access and kept, one tuple per class
+    (replicas share it)."""
 
     def __init__(self, tensor_names: list[str], buffer_names: list[str], classes: list[ClassCols],
-                 rank_class: Sequence[int]):
+                 rank_class: Sequence[int], undeclared: Sequence[str] = (),
+                 views: dict[int, tuple[LocalBuffer, ...]] | None = None):
         self.tensor_names = tensor_names
         self.buffer_names = buffer_names
         self.classes = classes
         self.rank_class = list(rank_class)
-        self._made: dict[int, tuple[LocalBuffer, ...]] = {}
+        self.undeclared = list(undeclared)
+        self._made: dict[int, tuple[LocalBuffer, ...]] = dict(views or {})
+
+    @staticmethod
+    def of_buffers(tensor_names: list[str], ranks: Sequence[Sequence[LocalBuffer]]) -> ColumnRanks:
+        """Columns of per-rank Python buffers: one class per distinct buffers object (replicas
+        that share one share a class), each read once and kept as its class's view."""
+        tid = {n: i for i, n in enumerate(tensor_names)}
+        by_id: dict[int, int] = {}
+        classes: list[ClassCols] = []
+        views: dict[int, tuple[LocalBuffer, ...]] = {}
+        rank_class = []
+        name_id: dict[str, int] = {}
+        undeclared: dict[str, int] = {}
+        for bufs in ranks:
+            c = by_id.get(id(bufs))
+            if c is None:
+                c = by_id[id(bufs)] = len(classes)
+                views[c] = tuple(bufs)
+                classes.append(ClassCols.from_buffers(views[c], tid, name_id, undeclared))
+            rank_class.append(c)
+        return ColumnRanks(tensor_names, sorted(name_id, key=name_id.__getitem__), classes, rank_class,
+                           sorted(undeclared, key=undeclared.__getitem__), views)
+
+    def tensor_name(self, i: int) -> str:
+        return self.tensor_names[i] if i >= 0 else self.undeclared[-1 - i]
 
     def __len__(self) -> int:
         return len(self.rank_class)
@@ -188,7 +227,7 @@ class ColumnRanks(Sequence):
     def cls(self, c: int) -> tuple[LocalBuffer, ...]:
         made = self._made.get(c)
         if made is None:
-            made = self._made[c] = self.classes[c].to_buffers(self.tensor_names, self.buffer_names)
+            made = self._made[c] = self.classes[c].to_buffers(self.tensor_names, self.buffer_names, self.undeclared)
         return made
 
     def __getitem__(self, i):
@@ -216,39 +255,21 @@ class ColumnRanks(Sequence):
         return f"ColumnRanks({len(self)} ranks, {len(self.classes)} classes)"
 
 
-def merge_ranks(parts: Sequence, rank_part: Sequence[int]):
-    """One layout from one-rank layouts (`parts`, each a `Layout` of one rank, columnar or not),
-    rank r being parts[rank_part[r]]: columns end to end, one class per distinct part (ranks
-    that declared the same buffers share it). Tensors declared by several parts must agree
-    (LayoutError naming the first rank of each)."""
-    from reshard.common.layout.core import Layout, LayoutError
-
-    tensors: dict = {}
-    first_rank = {}
-    for r, k in enumerate(rank_part):
-        first_rank.setdefault(k, r)
-    for k, part in enumerate(parts):
-        for n, t in part.tensors.items():
-            have = tensors.setdefault(n, t)
-            if have != t:
-                other = next(first_rank[j] for j, q in enumerate(parts) if q.tensors.get(n) == have)
-                raise LayoutError(f"tensor {n!r}: rank {first_rank[k]} declares {list(t.shape)} {t.dtype}, "
-                                  f"rank {other} {list(have.shape)} {have.dtype}")
-    tensor_names = sorted(tensors)
+def merged_classes(parts: Sequence[ColumnRanks], tensor_names: list[str]) -> tuple[list[str], list[ClassCols], list[str]]:
+    """The classes of one-rank layouts' ranks (each part's one class) renumbered into shared
+    buffer-name and tensor-name lists: (buffer names, classes, undeclared tensor names)."""
     tid = {n: i for i, n in enumerate(tensor_names)}
     name_id: dict[str, int] = {}
+    undeclared: dict[str, int] = {}
     classes = []
     for part in parts:
-        if part.world != 1:
-            raise LayoutError(f"a rank layout has {part.world} ranks, not 1")
-        names, [cols], _ = layout_classes(part)
-        part_tensors = part.ranks.tensor_names if isinstance(part.ranks, ColumnRanks) else sorted(part.tensors)
-        tmap = np.array([tid[n] for n in part_tensors] + [-1], dtype=np.int64)
-        nmap = np.array([name_id.setdefault(n, len(name_id)) for n in names], dtype=np.int64)
-        classes.append(dataclasses.replace(cols, buf_name=nmap[cols.buf_name] if len(nmap) else cols.buf_name,
-                                           p_tensor=tmap[np.where(cols.p_tensor < 0, len(part_tensors), cols.p_tensor)]))
-    ranks = ColumnRanks(tensor_names, sorted(name_id, key=name_id.__getitem__), classes, list(rank_part))
-    return Layout({n: tensors[n] for n in tensor_names}, ranks, any(p.allow_casts for p in parts))
+        [cols] = part.classes
+        names = part.tensor_names + part.undeclared[::-1]  # indexable by the part's ids, -1-k too
+        tmap = np.array([tid[n] if n in tid else -1 - undeclared.setdefault(n, len(undeclared)) for n in names]
+                        or [0], dtype=np.int64)
+        nmap = np.array([name_id.setdefault(n, len(name_id)) for n in part.buffer_names] or [0], dtype=np.int64)
+        classes.append(dataclasses.replace(cols, buf_name=nmap[cols.buf_name], p_tensor=tmap[cols.p_tensor]))
+    return sorted(name_id, key=name_id.__getitem__), classes, sorted(undeclared, key=undeclared.__getitem__)
 
 
 # -- the wire form ------------------------------------------------------------------------
@@ -257,26 +278,6 @@ WIRE_MAGIC = b"RSL3c"  # then the inflated size (8 bytes, little-endian), then t
 _OLD_MAGICS = (b"RSL2c",)
 _PIECE_FIELDS = ("p_tensor", "p_buf", "p_flat", "r_off", "r_size", "r_ndim", "off", "size", "ndim")
 _BUF_FIELDS = ("buf_name", "buf_dtype", "buf_shape", "buf_ndim")
-
-
-def layout_classes(layout) -> tuple[list[str], list[ClassCols], list[int]]:
-    """(buffer names, classes as columns, each rank's class) of any layout: a columnar one as it
-    is, one of Python buffers read once per distinct buffers object."""
-    ranks = layout.ranks
-    if isinstance(ranks, ColumnRanks):
-        return ranks.buffer_names, ranks.classes, ranks.rank_class
-    tid = {n: i for i, n in enumerate(sorted(layout.tensors))}
-    by_id: dict[int, int] = {}
-    classes: list[ClassCols] = []
-    rank_class = []
-    name_id: dict[str, int] = {}
-    for bufs in ranks:
-        c = by_id.get(id(bufs))
-        if c is None:
-            c = by_id[id(bufs)] = len(classes)
-            classes.append(ClassCols.from_buffers(bufs, tid, name_id))
-        rank_class.append(c)
-    return sorted(name_id, key=name_id.__getitem__), classes, rank_class
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -297,7 +298,8 @@ def encode(layout) -> bytes:
     pieces) takes a fraction of a second each way."""
     import json
 
-    names, classes, rank_class = layout_classes(layout)
+    ranks = layout.ranks
+    names, classes, rank_class = ranks.buffer_names, ranks.classes, ranks.rank_class
     w = max([1] + [k.buf_shape.shape[1] for k in classes])
     classes = [k.widen(w) for k in classes]
     blobs, arrays = [], []
@@ -310,6 +312,7 @@ def encode(layout) -> bytes:
     header = {
         "v": 2, "tensors": [[t.name, list(t.shape), t.dtype] for t in layout.tensors.values()],
         "allow_casts": layout.allow_casts, "dtypes": DTYPE_NAMES, "buffer_names": names, "rank_class": list(rank_class),
+        "undeclared": ranks.undeclared,
         "buffers": [k.num_buffers for k in classes], "pieces": [k.num_pieces for k in classes], "width": w,
         "padding": [[c, b, [p.to_json() for p in pads]] for c, k in enumerate(classes) for b, pads in sorted(k.buf_padding.items())],
         "arrays": arrays,
@@ -328,8 +331,6 @@ def wire(raw: bytes) -> bytes:
 def unwire(data: bytes, limit: int | None = None) -> bytes:
     """The raw bytes of a wire form. A declared size above `limit` (MAX_INFLATED) is refused before
     anything is inflated, and a stream that inflates to any other size is malformed."""
-    from reshard.common.layout.core import LayoutError
-
     if data[:len(WIRE_MAGIC)] in _OLD_MAGICS:
         raise LayoutError("the layout comes from an older reshard version: run the same version on every controller and worker")
     if data[:len(WIRE_MAGIC)] != WIRE_MAGIC or len(data) < len(WIRE_MAGIC) + 8:
@@ -352,8 +353,6 @@ def inflate(data: bytes, limit: int = MAX_INFLATED) -> bytes:
     decompression bomb) is refused before it takes the memory."""
     import zlib
 
-    from reshard.common.layout.core import LayoutError
-
     d, parts, total, rest = zlib.decompressobj(), [], 0, data
     while True:  # in steps of 16 MiB: the memory never runs far past the limit
         chunk = d.decompress(rest, 16 << 20)
@@ -370,13 +369,11 @@ def inflate(data: bytes, limit: int = MAX_INFLATED) -> bytes:
     return b"".join(parts)
 
 
-def decode(data: bytes):
-    """A layout from `encode`'s bytes (its ranks as `ColumnRanks`), checked for consistency:
-    LayoutError on malformed input. (Whether the layout is valid is the planner's check.)"""
+def decode(data: bytes) -> tuple[dict[str, TensorSpec], ColumnRanks, bool]:
+    """(tensors, ranks, allow_casts) of a layout from `encode`'s bytes, checked for consistency:
+    LayoutError on malformed input. (Whether the layout is valid is the validator's check.)"""
     import json
     import zlib
-
-    from reshard.common.layout.core import Layout, LayoutError, TensorSpec
 
     try:
         raw = unwire(data)
@@ -394,7 +391,8 @@ def decode(data: bytes):
             pos += size
         nb, npc, w, names = list(h["buffers"]), list(h["pieces"]), int(h["width"]), list(h["buffer_names"])
         rank_class = [int(c) for c in h["rank_class"]]
-        _check_wire(cols, nb, npc, w, len(tensors), len(names), rank_class)
+        undeclared = [str(n) for n in h.get("undeclared", [])]
+        _check_wire(cols, nb, npc, w, len(tensors), len(undeclared), len(names), rank_class)
         remap = np.array([DTYPE_IDS.get(d, -1) for d in h["dtypes"]] + [-1], dtype=np.int64)
         cols["buf_dtype"] = remap[np.where(cols["buf_dtype"] < 0, len(h["dtypes"]), cols["buf_dtype"])]
         cols["p_flat"] = cols["p_flat"].astype(bool)
@@ -408,14 +406,15 @@ def decode(data: bytes):
             kw.update({f: cols[f][p0:p0 + pc] for f in _PIECE_FIELDS})
             classes.append(ClassCols(buf_padding={b: p for (cc, b), p in padding.items() if cc == c}, **kw))
             b0, p0 = b0 + bc, p0 + pc
-        return Layout(tensors, ColumnRanks(sorted(tensors), names, classes, rank_class), bool(h.get("allow_casts", False)))
+        return tensors, ColumnRanks(sorted(tensors), names, classes, rank_class, undeclared), bool(h.get("allow_casts", False))
     except LayoutError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, zlib.error, UnicodeDecodeError) as e:
         raise LayoutError(f"malformed layout: {e}") from e
 
 
-def _check_wire(cols: dict, nb: list[int], npc: list[int], w: int, ntensors: int, nnames: int, rank_class: list[int]) -> None:
+def _check_wire(cols: dict, nb: list[int], npc: list[int], w: int, ntensors: int, nundeclared: int, nnames: int,
+                rank_class: list[int]) -> None:
     B, P = sum(nb), sum(npc)
     for f in _BUF_FIELDS + _PIECE_FIELDS:
         want = (B if f in _BUF_FIELDS else P,) + ((w,) if f in _WIDE else ())
@@ -425,7 +424,7 @@ def _check_wire(cols: dict, nb: list[int], npc: list[int], w: int, ntensors: int
         raise ValueError("class indexes out of range")
     if B and (cols["buf_name"].min() < 0 or cols["buf_name"].max() >= nnames):
         raise ValueError("buffer name ids out of range")
-    if P and (cols["p_tensor"].min() < -1 or cols["p_tensor"].max() >= ntensors):
+    if P and (cols["p_tensor"].min() < -1 - nundeclared or cols["p_tensor"].max() >= ntensors):
         raise ValueError("tensor ids out of range")
     for f in ("buf_ndim", "r_ndim", "ndim"):
         if len(cols[f]) and (cols[f].min() < 0 or cols[f].max() > w):

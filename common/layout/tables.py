@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from reshard.common.layout.columns import DTYPE_IDS, ClassCols, fit_width, layout_classes, pad_rows
+from reshard.common.layout.columns import DTYPE_IDS, ClassCols, fit_width, pad_rows
 from reshard.common.layout.core import DTYPE_SIZES, Layout, LocalBuffer
 
 ITEMSIZE = np.array(list(DTYPE_SIZES.values()), dtype=np.int64)
@@ -190,7 +190,7 @@ def build_table(layout: Layout, names: dict[str, int], side: str = "layout", req
     """Columns of `layout` (buffer names interned into `names`), checked unless `check` is
     false: raises LayoutError on an invalid layout."""
     tnames, t_shape_raw, t_ndim, t_dtype = _tensor_columns(layout.tensors)
-    lnames, classes, id_class = layout_classes(layout)
+    lnames, classes, id_class = layout.ranks.buffer_names, layout.ranks.classes, layout.ranks.rank_class
 
     # Merge classes with equal content (hand-built or decoded layouts, replicas built apart).
     canon = list(range(len(classes)))

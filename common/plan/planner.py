@@ -46,7 +46,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from reshard.common.layout.columns import fit_width
-from reshard.common.layout.core import DTYPES, Box, Layout, LayoutError, contiguous_strides, itemsize
+from reshard.common.layout.core import (
+    DTYPES,
+    Box,
+    Layout,
+    LayoutError,
+    check_compatible,
+    contiguous_strides,
+    coverage_gap,
+    itemsize,
+    overlapping_sources,
+)
 from reshard.common.layout.tables import (
     ITEMSIZE,
     LayoutTable,
@@ -538,23 +548,6 @@ def select_tensors(layout: Layout, patterns: list[str] | tuple[str, ...]) -> set
             raise LayoutError(f"partial update: {pat!r} matches no canonical tensor of the destination")
         out |= hits
     return out
-
-
-def check_compatible(src: Layout, dst: Layout, tensors: set[str] | None = None) -> None:
-    """Raise LayoutError naming the first mismatch between the two layouts."""
-    if src.tensors is dst.tensors:
-        return  # layouts built for one model share their tensors
-    for name in sorted(dst.tensors):
-        if tensors is not None and name not in tensors:
-            continue
-        d = dst.tensors[name]
-        s = src.tensors.get(name)
-        if s is None:
-            raise LayoutError(f"tensor {name!r}: the destination needs it but the source layout has no such tensor (unknown name)")
-        if s.shape != d.shape:
-            raise LayoutError(f"tensor {name!r}: shape mismatch, source {list(s.shape)} vs destination {list(d.shape)}")
-        if s.dtype != d.dtype:
-            raise LayoutError(f"tensor {name!r}: dtype mismatch, source {s.dtype} vs destination {d.dtype}")
 
 
 def _align_arr(n: np.ndarray) -> np.ndarray:
@@ -1053,9 +1046,7 @@ def _intersect(T, D, d_off, d_size, dp_rows, b_t, b_off, b_size, primary):
         r = int(dp_rows[gap[0]])
         buf = T.buf_obj[T.p_buf[r]]
         p = buf.pieces[T.p_index[r]]
-        raise LayoutError(
-            f"tensor {p.tensor!r}: destination rank {int(primary[T.buf_class[T.p_buf[r]]])} buffer {buf.name!r} needs box "
-            f"{p.box}, but the source layout covers only {int(covered[gap[0]])} of its {p.box.numel} elements (coverage gap)")
+        raise coverage_gap(p, int(primary[T.buf_class[T.p_buf[r]]]), buf.name, int(covered[gap[0]]))
     return pair_b, prow, ilo, isize, inumel
 
 
@@ -1215,9 +1206,7 @@ def _check_source_overlap(S, src, b_t, b_off, b_size, t_shape, rows, b_first, tn
                 r = int(rows[b_first[x]])
                 buf = S.buf_obj[S.p_buf[r]]
                 boxes.append((buf.pieces[S.p_index[r]].box, S.class_ranks[S.buf_class[S.p_buf[r]]][0]))
-            (ba, ra), (bb, rb) = sorted(boxes, key=lambda x: (x[0].offset, x[0].size))
-            raise LayoutError(f"tensor {tnames[int(t_i[k])]!r}: source boxes {ba} (rank {ra}) and {bb} (rank {rb}) "
-                              "overlap without being identical replicas")
+            raise overlapping_sources(tnames[int(t_i[k])], *sorted(boxes, key=lambda x: (x[0].offset, x[0].size)))
 
 
 _WATERFILL_MAX = 4_000_000

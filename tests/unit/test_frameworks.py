@@ -157,7 +157,7 @@ def test_columnar_builders_match_object_builders(model, spec):
     m = model_spec(model)
     fw, kw = parse_spec(spec)
     cols, objs = BUILDERS[fw](m, **kw), OBJECT_BUILDERS[fw](m, **kw)
-    assert isinstance(cols.ranks, ColumnRanks) and not isinstance(objs.ranks, ColumnRanks)
+    assert isinstance(cols.ranks, ColumnRanks) and isinstance(objs.ranks, ColumnRanks)  # objects are read into columns
     assert [{b.name: b for b in bufs} for bufs in cols.ranks] == [{b.name: b for b in bufs} for bufs in objs.ranks]
     assert [len({id(cols.ranks[r]) for r in range(cols.world)})] == [len({id(b) for b in objs.ranks})]
     back = layout_from_bytes(layout_bytes(cols))
@@ -254,7 +254,8 @@ def test_rank_layouts_merge_in_columns_into_the_built_layout(model, spec):
     """A controller assembles its side's layout from its workers' hellos without making Python
     pieces: the result equals the layout the builder made (content, fingerprint, plan digest)."""
     from reshard.common.control.worker import rank_layout_bytes
-    from reshard.common.layout.columns import ColumnRanks, merge_ranks
+    from reshard.common.layout.columns import ColumnRanks
+    from reshard.common.layout.core import merge_ranks
 
     lay = build(model, spec)
     hellos = [rank_layout_bytes(lay.tensors, list(lay.ranks[r])) for r in range(lay.world)]
@@ -271,8 +272,7 @@ def test_rank_layouts_merge_in_columns_into_the_built_layout(model, spec):
 
 def test_rank_layouts_that_disagree_on_a_tensor_are_refused():
     from reshard.common.control.worker import rank_layout_bytes
-    from reshard.common.layout.columns import merge_ranks
-    from reshard.common.layout.core import TensorSpec
+    from reshard.common.layout.core import TensorSpec, merge_ranks
 
     lay = build("tiny", "framework=megatron,tp=2")
     name = lay.ranks[1][0].pieces[0].tensor

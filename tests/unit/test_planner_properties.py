@@ -558,9 +558,18 @@ def test_error_unknown_tensor_name():
 
 
 def test_error_piece_names_tensor_missing_from_its_layout():
+    """The validator names the undeclared tensor however the layout reached it: written by hand,
+    decoded from the wire, or merged from rank layouts (the columns keep undeclared names)."""
+    from reshard.common.layout.core import merge_ranks
+
     bad = LocalBuffer("y", (2, 4), "float32", (Piece("y", Box((0, 0), (2, 4)), Box((0, 0), (2, 4))),))
-    with pytest.raises(LayoutError, match=r"piece names unknown tensor 'y'"):
-        make_plan(FULL_W, _lay(W, (_one("w", (8, 4)), bad)))
+    lay = _lay(W, (_one("w", (8, 4)), bad))
+    back = layout_from_bytes(layout_bytes(lay))
+    merged = merge_ranks([_lay(W, (_one("w", (8, 4)),)), back], [0, 0, 1])
+    assert back.ranks[0][1] == bad and merged.ranks[2][1] == bad
+    for layout in (lay, back, merged):
+        with pytest.raises(LayoutError, match=r"piece names unknown tensor 'y'"):
+            make_plan(FULL_W, layout)
 
 
 @pytest.mark.parametrize("side", ["src", "dst"])
