@@ -10,6 +10,8 @@ first). Sections, each timed and each failing on its own (its error goes into th
 - pack: packing strided column shards into a staging buffer and unpacking them back
   (the engine's `pack`/`unpack` on a real plan, and plain column slices of a big matrix),
   as GB/s and as a fraction of the copy bandwidth;
+- checksum: the exact per-piece checksum computed on the device (`box_checksum_torch`),
+  GB/s, and its equality with the host path (`box_checksum`) on every case;
 - nccl_self: send/recv to self through the binding and NcclTransport, GB/s, verified;
 - abort: a 2-rank communicator whose peer never joins: fails at its deadline, abort latency;
 - ipc: CUDA IPC between two processes on one GPU: the child maps the parent's trainer
@@ -56,6 +58,36 @@ def section_copy(dev) -> dict:
     b = torch.empty_like(a)
     s = _timed(lambda: b.copy_(a), 10)
     return {"bytes": n, "copy_GBps": n / s / GB}
+
+
+def section_checksum(dev) -> dict:
+    """The device checksum's speed, and its sums against the host path's on the same values:
+    several dtypes, odd offsets and lengths, strided views (the column shards the engine sums)."""
+    from reshard.common.dataplane.checksum import box_checksum, box_checksum_torch
+
+    g = torch.Generator(device=dev).manual_seed(7)
+    cases = []
+    for dtype, shape, box in ((torch.bfloat16, (4096, 8192), ((0, 0), (4096, 8192))),
+                              (torch.bfloat16, (4096, 8192), ((17, 1023), (2001, 4097))),
+                              (torch.float32, (1000, 771), ((3, 5), (997, 765))),
+                              (torch.int8, (333, 129), ((1, 3), (300, 125))),
+                              (torch.float16, (65537,), ((9,), (65521,)))):
+        full = torch.randint(-2**15, 2**15, shape, generator=g, device=dev, dtype=torch.int32).to(dtype)
+        (off, size) = box
+        view = full[tuple(slice(o, o + n) for o, n in zip(off, size))]
+        cases.append((view, off, shape))
+    equal = [box_checksum_torch(v, o, sh) == box_checksum(v.cpu(), o, sh) for v, o, sh in cases]
+    big, off, shape = cases[0]
+    s = _timed(lambda: box_checksum_torch(big, off, shape), 5)
+    strided, soff, sshape = cases[1]
+    s2 = _timed(lambda: box_checksum_torch(strided, soff, sshape), 5)
+    t0 = time.perf_counter()
+    box_checksum(big.cpu(), off, shape)
+    host = time.perf_counter() - t0
+    nbytes = big.numel() * big.element_size()
+    return {"cases": len(cases), "equal_to_host": equal, "ok": all(equal), "bytes": nbytes,
+            "device_GBps": nbytes / s / GB, "device_strided_GBps": strided.numel() * 2 / s2 / GB,
+            "host_GBps_incl_copy": nbytes / host / GB}
 
 
 def _pack_columns(dev) -> dict:
@@ -329,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         run("tests", run_tests)
     run("copy", section_copy, dev)
     run("pack", section_pack, dev, report["copy"].get("copy_GBps"))
+    run("checksum", section_checksum, dev)
     run("nccl_self", section_nccl_self, dev)
     run("abort", section_abort, dev)
     run("ipc", section_ipc, dev)

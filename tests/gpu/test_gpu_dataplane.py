@@ -139,3 +139,14 @@ def test_workers_report_cuda_device_and_memory():
         assert w._pool.device.type == "cuda"
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_device_checksum_equals_the_host_path(dtype):
+    """The engine's sums on the device are the host's, bit for bit (strided views included)."""
+    from reshard.common.dataplane.checksum import box_checksum, box_checksum_torch
+
+    full = torch.randint(-100, 100, (257, 513), dtype=torch.int32, device="cuda").to(dtype)
+    for off, size in (((0, 0), (257, 513)), ((3, 7), (250, 499)), ((256, 1), (1, 511))):
+        view = full[off[0]:off[0] + size[0], off[1]:off[1] + size[1]]
+        assert box_checksum_torch(view, off, full.shape) == box_checksum(view.cpu(), off, full.shape)
