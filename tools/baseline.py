@@ -57,6 +57,9 @@ def run(side: str, transport: Transport, session, rank: int, src: Layout, dst: L
 
     S, D = session.src_world, session.dst_world
     members = (0, *range(S, S + D))
+    # Every rank, a member or not: NCCL makes the group's own communicator (collectively), so that
+    # the broadcast is NCCL's collective rather than a star of sends from rank 0.
+    transport.prepare_broadcast([members], left())
     cache = pool.__dict__.setdefault("baseline", {})
     buckets = _buckets(dst, bucket_bytes)
     total = sum(n for b in buckets for _, _, n in b)

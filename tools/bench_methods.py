@@ -183,6 +183,8 @@ class RankBench:
         members = {o: (o, *range(self.S, self.S + self.D)) for o in items}
         windows = max((len(v) for v in items.values()), default=0)
         st = self._bcast
+        # Collective, on every rank: each owner's group gets its own communicator on NCCL (made once).
+        self.t.prepare_broadcast([members[o] for o in sorted(items)], _timeout(deadline))
         if self.side == "src":
             mine = items.get(self.index, [])
             if "staging" not in st:
@@ -404,6 +406,7 @@ def broadcast_windows(t: Transport, me: int, owners: range, receivers: range, wi
     receiver, and the receivers wait for all of them (the owner broadcast's windows, without the bytes)."""
     buf = torch.zeros(64 * len(owners), dtype=torch.uint8)
     members = {o: (o, *receivers) for o in owners}
+    t.prepare_broadcast([members[o] for o in owners], _timeout(deadline))
     for _ in range(windows):
         if me in owners:
             t.broadcast(buf[:64], members[me]).wait(_timeout(deadline))

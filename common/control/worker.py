@@ -502,6 +502,9 @@ class WorkerBase:
                                 deadline, progress, timeout=p.timeout_s)
         engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
                         progress=progress, checksums=self.side == "src", hook=hook, receiver_sums=self.side == "dst")
+        # Connections to the plan's peers (NCCL makes them in the first group with each): set up here, with
+        # the joining, so that the first round moves bytes only. A session reused connects only new pairs.
+        transport.warm_up(*engine.peers(), max(0.0, deadline - time.monotonic()))
         sums = engine.run()
         return sums, engine.bytes_done, engine.checksum_seconds
 

@@ -17,7 +17,9 @@ they agree when every byte arrived at its position. Odd weights make any change 
 single word visible; swapped rows, swapped words and misplaced interleaves change it.
 
 `box_checksum_torch` computes the same number with torch integer ops on the tensor's
-own device (no copy to the host), each product reduced before it could overflow."""
+own device (no copy to the host), each product reduced before it could overflow;
+`box_checksum_tensor` leaves it there, queued on the current stream: its weights are made
+on the device too, so nothing in it makes the host wait for the stream."""
 
 from __future__ import annotations
 
@@ -46,12 +48,13 @@ def _col_weight(j: int) -> int:
     return int(_col_weights(j, 1)[0])
 
 
-def _row_weights(offset: tuple[int, ...], lead_size: tuple[int, ...], lead_shape: tuple[int, ...]) -> torch.Tensor:
+def _row_weights(offset: tuple[int, ...], lead_size: tuple[int, ...], lead_shape: tuple[int, ...],
+                 device: torch.device | None = None) -> torch.Tensor:
     """Weights of the box's global rows, in row-major order (int64, odd, below 2**31)."""
-    return mix31(flat_indices(offset, lead_size, lead_shape).reshape(-1) + _ROW_SALT) | 1
+    return mix31(flat_indices(offset, lead_size, lead_shape, device).reshape(-1) + _ROW_SALT) | 1
 
 
-def _as_rows(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]):
+def _as_rows(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...], device: torch.device | None = None):
     """(rows of bytes (R, ncols * esize), first byte column, row weights) of a box."""
     if values.dim() == 0:
         values, offset, shape = values.reshape(1), (0,), (1,)
@@ -62,7 +65,7 @@ def _as_rows(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ..
     rows = values.reshape(-1, ncols)  # a copy only when the box is strided in leading dims
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    wr = _row_weights(offset[:-1], lead_size, shape[:-1])
+    wr = _row_weights(offset[:-1], lead_size, shape[:-1], device)
     return rows.view(torch.uint8), offset[-1] * values.element_size(), wr
 
 
@@ -105,10 +108,15 @@ def box_checksum(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int
 
 def box_checksum_torch(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
     """`box_checksum` with torch integer ops on the tensor's device: the same number."""
+    return int(box_checksum_tensor(values, offset, shape).item())
+
+
+def box_checksum_tensor(values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """`box_checksum_torch` as a 0-dim int64 tensor on the tensor's device, not read back."""
+    dev = values.device
     if values.numel() == 0:
-        return 0
-    rows, b0, wr = _as_rows(values, offset, shape)
-    dev = rows.device
+        return torch.zeros((), dtype=torch.int64, device=dev)
+    rows, b0, wr = _as_rows(values, offset, shape, dev)
     nbytes = rows.shape[1]
     head, body, tail = _edges(b0, nbytes)
     sums = torch.zeros(rows.shape[0], dtype=torch.int64, device=dev)
@@ -118,7 +126,7 @@ def box_checksum_torch(values: torch.Tensor, offset: tuple[int, ...], shape: tup
             b = b.clone(memory_format=torch.contiguous_format)
         words = b.view(torch.int32).to(torch.int64) & _MASK
         j0 = (b0 + body[0]) // 4
-        wc = torch.from_numpy(_col_weights(j0, words.shape[1]).astype(np.int64)).to(dev)
+        wc = mix31(torch.arange(j0, j0 + words.shape[1], dtype=torch.int64, device=dev) + _COL_SALT) | 1
         sums += ((words * wc) & _MASK).sum(dim=1)  # each product < 2**63, each term < 2**32
     for start, stop in (head, tail):
         if stop > start:
@@ -128,10 +136,9 @@ def box_checksum_torch(values: torch.Tensor, offset: tuple[int, ...], shape: tup
                 part += rows[:, k].to(torch.int64) << (8 * ((b0 + k) % 4))
             sums += (part * _col_weight(g // 4)) & _MASK
     sums &= _MASK
-    wr = wr.to(dev)
     lo, hi = sums & 0xFFFF, sums >> 16  # sums * wr mod 2**32 without overflowing int64
     prod = (lo * wr + (((hi * wr) & 0xFFFF) << 16)) & _MASK
-    return int(prod.sum().item()) & _MASK
+    return prod.sum() & _MASK
 
 
 def combine(*parts: int) -> int:

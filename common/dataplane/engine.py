@@ -6,6 +6,15 @@ into staging and unpack, or straight into destination storage. Staging is a
 pool allocated once and reused across updates; packing round k+1 overlaps the
 transfer of round k. Checksums of what is sent are computed on the sender, per
 destination piece, so the receiver can verify what it holds.
+
+Rounds are matched globally, so on a stream-ordered transport (NCCL) the engine
+queues them back to back without waiting on the host: the copy stream waits (on the
+device) for round k's group before unpacking it, which also orders the packing of
+round k+2 into round k's half of the staging, and of a relay after the receive it
+forwards. Checksums are then queued on the copy stream too (`box_checksum_tensor`)
+and read once at the end. The host waits for round k only once ROUNDS_AHEAD later
+rounds are queued (bounding what is queued on the device behind a peer that may
+have died) and for the rest at the end; progress and the hook follow those waits.
 """
 
 from __future__ import annotations
@@ -13,12 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 import torch
 
-from reshard.common.dataplane.checksum import P, box_checksum
+from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor
 from reshard.common.dataplane.transport import Transport, TransportError, Work
 from reshard.common.layout.core import dtype_of
 from reshard.common.plan.planner import Message, Plan, Segment, Side
@@ -27,6 +36,7 @@ log = logging.getLogger("reshard.engine")
 
 # Staging per rank beyond which the pool warns (the plan's bucket size decides what it needs).
 DEFAULT_STAGING_LIMIT = int(os.environ.get("RESHARD_STAGING_LIMIT_BYTES", 256 << 20))
+ROUNDS_AHEAD = 4  # stream-ordered transports: rounds queued on the device beyond the oldest one not seen done
 
 
 class StagingPool:
@@ -108,6 +118,7 @@ class Engine:
         self.src_world = plan.src_world
         self.dst_offset = plan.src_world if dst_offset is None else dst_offset
         self.checksums: dict[PieceKey, int] = defaultdict(int)
+        self._queued_sums: dict[PieceKey, torch.Tensor] = {}  # stream-ordered: sums on the device, not read yet
         self.bytes_done = 0
         self.checksum_seconds = 0.0
 
@@ -132,11 +143,31 @@ class Engine:
     def _staged(m: Message, role: str) -> bool:
         return not (m.send_direct if role == "send" else m.recv_direct)
 
+    def peers(self) -> tuple[set[int], set[int]]:
+        """The session ranks this rank sends to and receives from (what `Transport.warm_up` takes):
+        every peer derives the mirror image from the same plan."""
+        return ({self._peer(m, role) for m, role in self.work if role == "send"},
+                {self._peer(m, role) for m, role in self.work if role == "recv"})
+
+    def _add_sum(self, key: PieceKey, values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        if self.t.stream_ordered:  # queued on the copy stream, before the staging is reused; read at the end
+            c = box_checksum_tensor(values, offset, shape)
+            self._queued_sums[key] = self._queued_sums[key] + c if key in self._queued_sums else c
+        else:
+            self.checksums[key] = (self.checksums[key] + box_checksum(values, offset, shape)) % P
+
+    def _read_sums(self) -> None:
+        if self._queued_sums:
+            t0 = time.perf_counter()
+            keys = list(self._queued_sums)
+            for key, c in zip(keys, torch.stack([self._queued_sums[k] for k in keys]).tolist()):
+                self.checksums[key] = (self.checksums[key] + c) % P
+            self._queued_sums.clear()
+            self.checksum_seconds += time.perf_counter() - t0
+
     def _sender_checksum(self, dst: int, seg: Segment, wire: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        c = box_checksum(wire, seg.box.offset, self.shapes[seg.tensor])
-        key = (dst, seg.dst_buffer, seg.dst_piece)
-        self.checksums[key] = (self.checksums[key] + c) % P
+        self._add_sum((dst, seg.dst_buffer, seg.dst_piece), wire, seg.box.offset, self.shapes[seg.tensor])
         self.checksum_seconds += time.perf_counter() - t0
 
     def run(self) -> dict[PieceKey, int]:
@@ -145,6 +176,7 @@ class Engine:
 
     def _run(self) -> dict[PieceKey, int]:
         rounds = self._rounds()
+        ordered = self.t.stream_ordered
         total = sum(m.nbytes for m, _ in self.work)
         sizes = [sum(m.staged_bytes for m, role in r if self._staged(m, role)) for r in rounds]
         half = max(sizes, default=0)
@@ -176,8 +208,16 @@ class Engine:
             # A relay forwards what this rank received: pack it only once earlier rounds landed.
             return not any(m.relay and role == "send" for m, role in rounds[i])
 
+        def landed(i: int, items: list[tuple[Message, str, torch.Tensor]]) -> None:
+            self.bytes_done += sum(m.nbytes for m, _, _ in items)
+            if self.progress:
+                self.progress(self.bytes_done, total)
+            if self.hook:
+                self.hook(i)
+
         if not rounds:
             return {}
+        queued: deque = deque()  # stream-ordered: rounds not yet seen done on the host
         current = stage(0)
         works = post(current)
         for i in range(len(rounds)):
@@ -194,21 +234,28 @@ class Engine:
                         seg = m.segments[0]
                         self._sender_checksum(m.dst, seg, seg.src.view(self.buffers[seg.src.buffer], seg.box.size))
             for w in works:
-                w.wait(self._remaining())
+                # Stream-ordered: what the copy stream queues from here on (this round's unpack, the
+                # packing of round i + 2 into this round's half, a relay's packing) runs after round i.
+                (w.device_wait if ordered else w.wait)(self._remaining())
             for m, role, buf in current:
                 if role == "recv" and self._staged(m, role):
                     unpack(m, self.buffers, buf)
-            self.bytes_done += sum(m.nbytes for m, _, _ in current)
-            if self.progress:
-                self.progress(self.bytes_done, total)
-            if self.hook:
-                self.hook(i)
-            landed = current
+            if not ordered:
+                landed(i, current)
+            done, done_works = current, works
             if i + 1 < len(rounds):
                 current = nxt if nxt is not None else stage(i + 1)
                 works = post(current)
             if self.receiver_sums:
-                self._receiver_checksums(landed)  # while the next round is on the wire
+                self._receiver_checksums(done)  # while the next round is on the wire
+            if ordered:
+                queued.append((i, done, done_works))
+                while len(queued) > (ROUNDS_AHEAD if i + 1 < len(rounds) else 0):
+                    j, items, ws = queued.popleft()
+                    for w in ws:
+                        w.wait(self._remaining())
+                    landed(j, items)
+        self._read_sums()
         return dict(self.checksums)
 
     def _receiver_checksums(self, items) -> None:
@@ -221,10 +268,8 @@ class Engine:
             for seg in m.segments:
                 if seg.dst_piece < 0:
                     continue
-                c = box_checksum(seg.dst.view(self.buffers[seg.dst.buffer], seg.box.size), seg.box.offset,
-                                 self.shapes[seg.tensor])
-                key = (self.rank, seg.dst_buffer, seg.dst_piece)
-                self.checksums[key] = (self.checksums[key] + c) % P
+                self._add_sum((self.rank, seg.dst_buffer, seg.dst_piece), seg.dst.view(self.buffers[seg.dst.buffer], seg.box.size),
+                              seg.box.offset, self.shapes[seg.tensor])
         self.checksum_seconds += time.perf_counter() - t0
 
 

@@ -31,9 +31,10 @@ def salt_of(*parts: object) -> int:
     return (h ^ (h >> 31)) & M31
 
 
-def flat_indices(offset: tuple[int, ...], size: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """Row-major global flat indices (int64, shaped `size`) of a box of a tensor of `shape`."""
-    idx = torch.zeros((), dtype=torch.int64)
+def flat_indices(offset: tuple[int, ...], size: tuple[int, ...], shape: tuple[int, ...],
+                 device: torch.device | None = None) -> torch.Tensor:
+    """Row-major global flat indices (int64, shaped `size`, on `device`) of a box of a tensor of `shape`."""
+    idx = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     strides = []
     for s in reversed(shape):
@@ -42,8 +43,8 @@ def flat_indices(offset: tuple[int, ...], size: tuple[int, ...], shape: tuple[in
     strides.reverse()
     nd = len(size)
     for d in range(nd):
-        ar = torch.arange(offset[d], offset[d] + size[d], dtype=torch.int64) * strides[d]
+        ar = torch.arange(offset[d], offset[d] + size[d], dtype=torch.int64, device=device) * strides[d]
         idx = idx.unsqueeze(-1) + ar.view(*([1] * d), size[d]) if d else ar
-    return idx.reshape(size) if nd else torch.zeros((), dtype=torch.int64)
+    return idx.reshape(size) if nd else idx
 
 

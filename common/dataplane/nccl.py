@@ -49,6 +49,7 @@ NCCL_UNIQUE_ID_BYTES = 128
 NCCL_API_MAGIC = 0xCAFEBEEF
 NCCL_CONFIG_UNDEF_INT = -(2**31)  # INT_MIN
 ncclUint8 = 1  # ncclDataType_t: the data plane moves raw bytes
+NCCL_SPLIT_NOCOLOR = -1  # ncclCommSplit's color of a rank that joins no new communicator
 
 RESULT_NAMES = {
     0: "ncclSuccess",
@@ -203,6 +204,10 @@ FUNCTIONS: tuple[Function, ...] = (
     Function("ncclCommAbort", ncclResult_t, (ncclComm_t,)),
     # ncclResult_t ncclCommFinalize(ncclComm_t comm);
     Function("ncclCommFinalize", ncclResult_t, (ncclComm_t,), required=False),
+    # ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
+    # (NCCL 2.18 and newer; a NULL config: the new communicator inherits the parent's, non-blocking included)
+    Function("ncclCommSplit", ncclResult_t,
+             (ncclComm_t, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ncclComm_t), ctypes.c_void_p), required=False),
     # ncclResult_t ncclCommDestroy(ncclComm_t comm);
     Function("ncclCommDestroy", ncclResult_t, (ncclComm_t,)),
     # ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream);
@@ -301,6 +306,15 @@ class NcclLibrary:
 
     def comm_abort(self, comm) -> None:
         self.check(self._fns["ncclCommAbort"](comm), "ncclCommAbort", in_progress_ok=True)
+
+    def comm_split(self, comm, color: int, key: int):
+        """Start splitting `comm` (collective over all its ranks). Returns the new handle's ctypes box:
+        NCCL fills it in once the parent is no longer ncclInProgress (keep the box alive until then);
+        it stays NULL on a rank that passed NCCL_SPLIT_NOCOLOR."""
+        box = ncclComm_t()
+        self.check(self._fns["ncclCommSplit"](comm, color, key, ctypes.byref(box), None), "ncclCommSplit",
+                   in_progress_ok=True, comm=comm)
+        return box
 
     def comm_finalize(self, comm) -> int:
         return self.check(self._fns["ncclCommFinalize"](comm), "ncclCommFinalize", in_progress_ok=True, comm=comm)

@@ -17,10 +17,19 @@ and the data-plane thread's next poll fails with the abort's reason.
 Streams: the engine packs and unpacks on this transport's copy stream
 (`copy_context()`); a round's sends and receives are posted, then `flush()` fuses them
 in one `ncclGroupStart/End` on a dedicated communication stream that first waits for
-the copies. Packing round k+1 (copy stream) overlaps the transfer of round k (comm
-stream); the engine's double-buffered staging keeps the two apart. NCCL has no tags:
+the copies. The transport is stream-ordered: the engine queues rounds back to back,
+and `Work.device_wait()` makes the copy stream wait for a round's group (an event
+recorded after it on the comm stream) before unpacking it or reusing its staging;
+the host waits only through `Work.wait()`, polling with the deadline. NCCL has no tags:
 operations between two ranks match in posting order, so a group posts them sorted by
 (peer, direction, tag), which both ends compute alike from the same plan.
+
+Connections: NCCL connects to a peer in the first group that uses it. `warm_up` does
+that for a plan's pairs in one tiny group before the first round, under the connect
+deadline. Broadcasts among a subset of the session (the serialized baseline) run on a
+communicator split off for those members (`ncclCommSplit`, NCCL 2.18+, made once by
+`prepare_broadcast` on every rank), or as point-to-point sends from the root where the
+library cannot split.
 """
 
 from __future__ import annotations
@@ -34,7 +43,15 @@ from collections.abc import Callable
 
 import torch
 
-from reshard.common.dataplane.nccl import NcclError, NcclLibrary, NcclUnavailable, load_library, ncclInProgress, ncclSuccess
+from reshard.common.dataplane.nccl import (
+    NCCL_SPLIT_NOCOLOR,
+    NcclError,
+    NcclLibrary,
+    NcclUnavailable,
+    load_library,
+    ncclInProgress,
+    ncclSuccess,
+)
 from reshard.common.dataplane.transport import Transport, TransportError, Work
 
 log = logging.getLogger("reshard.nccl")
@@ -55,9 +72,11 @@ class _Op:
 class _Group:
     ops: list[_Op] = dataclasses.field(default_factory=list)
     launched: bool = False
-    event: torch.cuda.Event | None = None
-    done: bool = False
-    new_peers: bool = False
+    event: torch.cuda.Event | None = None  # recorded on the comm stream once the group is on it
+    done: bool = False  # seen complete by the host
+    fenced: bool = False  # the copy stream waits for it already
+    new_peers: bool = False  # it set up connections: measure NCCL's memory after it
+    comm: object = None  # the communicator it runs on: None for the session's, else a broadcast group's
 
 
 class CudaOps:
@@ -97,9 +116,13 @@ class _NcclWork(Work):
     def wait(self, timeout_s: float) -> None:
         self._t._wait(self._g, timeout_s, self._what)
 
+    def device_wait(self, timeout_s: float) -> None:
+        self._t._device_wait(self._g, timeout_s, self._what)
+
 
 class NcclTransport(Transport):
     name = "nccl"
+    stream_ordered = True
 
     @classmethod
     def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
@@ -126,7 +149,10 @@ class NcclTransport(Transport):
         self._lock = threading.RLock()  # held around every use of the communicator handle (abort() comes from any thread)
         self._broken = ""
         self._open: _Group | None = None
-        self._peers: set[int] = set()
+        self._last: _Group | None = None  # the group launched last (stream order: done when it is)
+        self._connected: set[tuple[str, int]] = set()  # (send|recv, peer) pairs some group has used
+        self._subs: dict[tuple[int, ...], object] = {}  # broadcast members -> split communicator's handle box (None: not a member)
+        self._star_logged = False
         self.abort_seconds: float | None = None
         cuda.set_device()  # this (data-plane) thread's device
         try:
@@ -164,14 +190,17 @@ class NcclTransport(Transport):
     def _abort(self, why: str) -> None:
         with self._lock:
             comm, self._comm = self._comm, None
+            subs = [b for b in self._subs.values() if b is not None and b.value]
+            self._subs.clear()
             self._broken = self._broken or why
             if comm is None:
                 return
             t0 = time.monotonic()
-            try:
-                self.lib.comm_abort(comm)
-            except NcclError as e:
-                log.warning("ncclCommAbort (session %s, rank %d): %s", self.session, self.rank, e)
+            for c in (*subs, comm):
+                try:
+                    self.lib.comm_abort(c)
+                except NcclError as e:
+                    log.warning("ncclCommAbort (session %s, rank %d): %s", self.session, self.rank, e)
             self.abort_seconds = time.monotonic() - t0
         log.warning("nccl session %s, rank %d: communicator aborted in %.3fs: %s", self.session, self.rank,
                     self.abort_seconds, why)
@@ -180,23 +209,24 @@ class NcclTransport(Transport):
         if self._comm is None:
             raise TransportError(self.aborted or f"NCCL session {self.session} is unusable: {self._broken or 'closed'}")
 
-    def _async_error(self, what: str) -> int:
+    def _async_error(self, what: str, comm=None) -> int:
         with self._lock:
             self._usable()
-            code = self.lib.comm_async_error(self._comm)
+            comm = self._comm if comm is None else comm
+            code = self.lib.comm_async_error(comm)
             if code not in (ncclSuccess, ncclInProgress):
-                last = self.lib.last_error(self._comm)
+                last = self.lib.last_error(comm)
                 err = NcclError("ncclCommGetAsyncError", code, self.lib.error_string(code),
                                 f"{what}; communicator aborted" + (f"; {last}" if last else ""))
                 self._abort(str(err))
                 raise err
         return code
 
-    def _settle(self, deadline: float, timeout_s: float, what: str) -> None:
+    def _settle(self, deadline: float, timeout_s: float, what: str, comm=None) -> None:
         """Poll until the communicator's pending non-blocking call completed (init, a group's
-        connection setup, finalize); abort it on an error or at the deadline."""
+        connection setup, a split, finalize); abort the session on an error or at the deadline."""
         delay = _POLL_MIN_S
-        while self._async_error(what) == ncclInProgress:
+        while self._async_error(what, comm) == ncclInProgress:
             if time.monotonic() >= deadline:
                 msg = (f"{what}: not done within {timeout_s:.1f}s (a peer never joined, died or froze); "
                        "the communicator was aborted")
@@ -216,11 +246,20 @@ class NcclTransport(Transport):
     @contextlib.contextmanager
     def copy_context(self):
         """The engine's copies run on the copy stream: it first waits for what the calling thread's
-        stream queued, and before leaving, the last unpack has landed (verification reads next)."""
+        stream queued, and before leaving, the last unpack has landed (verification reads next).
+        Left by an error while a group may still run, the session is aborted first: the copy stream
+        may wait for that group, and a peer that stopped posting would never complete it."""
         self.copy_stream.wait_stream(self._cuda.current_stream())
-        with self._cuda.use_stream(self.copy_stream):
-            yield
-        self.copy_stream.synchronize()
+        try:
+            with self._cuda.use_stream(self.copy_stream):
+                yield
+        except BaseException as e:
+            last = self._last
+            if self._comm is not None and last is not None and not last.done:
+                self._abort(f"the data plane stopped with NCCL work in flight: {e}")
+            raise
+        finally:
+            self.copy_stream.synchronize()
 
     def _after_producer(self) -> None:
         """The comm stream waits for what the current stream (the copies) has queued so far."""
@@ -234,6 +273,24 @@ class NcclTransport(Transport):
         ev = self._cuda.event()
         ev.record(self.comm_stream)
         return ev
+
+    def _on_stream(self, g: _Group, deadline: float, timeout_s: float, what: str) -> None:
+        """Make sure the group's operations are queued on the comm stream, with an event after them:
+        a launch that returned ncclInProgress (connections being set up) is settled on the host first."""
+        if not g.launched:
+            if g is not self._open:
+                raise TransportError(f"nccl {what}: waited on work that was never posted")
+            self.flush()
+        if g.event is None:
+            self._settle(deadline, timeout_s, f"NCCL {what} in session {self.session}", g.comm)
+            g.event = self._record()
+
+    def _launching(self) -> None:
+        """Before a launch: NCCL takes no new call on a communicator while the last one is in progress."""
+        last = self._last
+        if last is not None and last.event is None:
+            self._on_stream(last, time.monotonic() + self.timeout_s, self.timeout_s, "a group still connecting")
+        self._after_producer()
 
     def _post(self, kind: str, buf: torch.Tensor, peer: int, tag: int) -> _Group:
         self._usable()
@@ -257,10 +314,10 @@ class NcclTransport(Transport):
         if g is None or not g.ops:
             return
         self._usable()
-        self._after_producer()
-        peers = {op.peer for op in g.ops}
-        g.new_peers = not peers <= self._peers
-        self._peers |= peers
+        self._launching()
+        pairs = {(op.kind, op.peer) for op in g.ops}
+        g.new_peers = not pairs <= self._connected
+        self._connected |= pairs
         stream = self.comm_stream.cuda_stream
         with self._lock:
             self._usable()
@@ -272,26 +329,28 @@ class NcclTransport(Transport):
             finally:
                 code = self.lib.group_end()
         g.launched = True
+        self._last = g
         if code == ncclSuccess:
             g.event = self._record()
-        # else ncclInProgress: connections to new peers are being set up; _wait settles it first.
+        # else ncclInProgress: connections to new peers are being set up; settled before the next use.
+
+    def _device_wait(self, g: _Group, timeout_s: float, what: str) -> None:
+        if g.done or g.fenced:
+            return
+        self._usable()
+        self._on_stream(g, time.monotonic() + max(0.0, timeout_s), timeout_s, what)
+        self._cuda.current_stream().wait_event(g.event)
+        g.fenced = True
 
     def _wait(self, g: _Group, timeout_s: float, what: str) -> None:
         if g.done:
             return
         self._usable()
         deadline = time.monotonic() + max(0.0, timeout_s)
-        if not g.launched:
-            if g is self._open:
-                self.flush()
-            else:
-                raise TransportError(f"nccl {what}: waited on work that was never posted")
-        if g.event is None:
-            self._settle(deadline, timeout_s, f"NCCL {what} in session {self.session}")
-            g.event = self._record()
+        self._on_stream(g, deadline, timeout_s, what)
         delay = _POLL_MIN_S
         while not g.event.query():
-            self._async_error(f"NCCL {what} in session {self.session}")
+            self._async_error(f"NCCL {what} in session {self.session}", g.comm)
             if time.monotonic() >= deadline:
                 msg = (f"NCCL {what} in session {self.session} not done within {timeout_s:.1f}s (the peer died, froze "
                        "or never posted it); the communicator was aborted")
@@ -303,50 +362,126 @@ class NcclTransport(Transport):
         if g.new_peers:
             self._measure()
 
+    def warm_up(self, sends_to: set[int], recvs_from: set[int], timeout_s: float) -> None:
+        """One group of 1-byte sends and receives with each pair no group has used yet, waited on with
+        the deadline: connecting belongs to joining the session, not to the first round's transfer."""
+        pairs = [(kind, p) for kind, peers in (("send", sends_to), ("recv", recvs_from)) for p in sorted(peers)
+                 if (kind, p) not in self._connected]
+        if not pairs:
+            return
+        buf = torch.zeros(len(pairs), dtype=torch.uint8, device=self.device)
+        g = None
+        for i, (kind, peer) in enumerate(pairs):
+            g = self._post(kind, buf[i : i + 1], peer, 0)
+        self._wait(g, timeout_s, f"warm-up (connecting to ranks {sorted({p for _, p in pairs})})")
+
+    def prepare_broadcast(self, groups: list[tuple[int, ...]], timeout_s: float) -> None:
+        """Split a communicator off for each group of members (every rank takes part in each split:
+        a non-member with NCCL_SPLIT_NOCOLOR), then connect it with a 1-byte broadcast."""
+        deadline = time.monotonic() + timeout_s
+        for members in groups:
+            if len(members) < 2 or members in self._subs or sorted(members) == list(range(self.world)):
+                continue  # nothing to move, made already, or the session's own communicator
+            if not self.lib.has("ncclCommSplit"):
+                if not self._star_logged:
+                    self._star_logged = True
+                    log.warning("NCCL %s has no ncclCommSplit (2.18+): broadcasts among part of session %s are sent "
+                                "from the root to each member", self.lib.version, self.session)
+                return
+            what = f"splitting a communicator for ranks {list(members)} off NCCL session {self.session}"
+            member = self.rank in members
+            self._usable()
+            self._launching()
+            with self._lock:
+                self._usable()
+                box = self.lib.comm_split(self._comm, 0 if member else NCCL_SPLIT_NOCOLOR, self.rank)
+                self._subs[members] = box if member else None  # abort() now reaches it
+            # NCCL fills the new handle in once the parent has settled (NVIDIA/nccl#1472), sometimes a little later.
+            self._settle(deadline, timeout_s, what)
+            delay = _POLL_MIN_S
+            while member and not box.value:
+                if time.monotonic() >= deadline:
+                    msg = f"{what}: no communicator within {timeout_s:.1f}s; the session was aborted"
+                    self._abort(msg)
+                    raise TransportError(msg)
+                self._usable()
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+            if member:
+                self._settle(deadline, timeout_s, what, box)
+                self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device), members).wait(
+                    max(0.0, deadline - time.monotonic()))
+
     def broadcast(self, buf: torch.Tensor, members: tuple[int, ...]) -> Work:
         if self.rank not in members:
             raise TransportError(f"rank {self.rank} is not among the broadcast's members {members}")
+        self._usable()
         self.flush()
         root = members[0]
+        what = f"broadcast from rank {root}"
+        if len(members) == 1:
+            return _NcclWork(self, _Group(done=True), what)  # a broadcast among one member moves nothing
         if sorted(members) == list(range(self.world)):
-            self._usable()
-            self._after_producer()
-            g = _Group(launched=True, new_peers=not set(members) <= self._peers)
-            self._peers |= set(members)
-            with self._lock:
-                self._usable()
-                code = self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), root, self._comm,
-                                          self.comm_stream.cuda_stream)
-            if code == ncclSuccess:
-                g.event = self._record()
-            return _NcclWork(self, g, f"broadcast from rank {root}")
-        # A subset of the session: the root sends to each member (NCCL has no tags; the tag is 0).
+            return self._broadcast(buf, root, None, what)
+        sub = self._subs.get(members)
+        if sub is not None:  # its ranks are the members in ascending order (the split's key is the session rank)
+            return self._broadcast(buf, sorted(members).index(root), sub, what)
+        if self.lib.has("ncclCommSplit"):
+            raise TransportError(f"nccl {what} to ranks {list(members)}: no communicator for them "
+                                 "(every rank must call prepare_broadcast with this group first)")
+        # No ncclCommSplit: the root sends to each member (NCCL has no tags; the tag is 0).
         if self.rank == root:
             for m in members[1:]:
                 self._post("send", buf, m, 0)
         else:
             self._post("recv", buf, root, 0)
-        g = self._open or _Group(done=True)  # a broadcast among one member moves nothing
+        g = self._open
         self.flush()
-        return _NcclWork(self, g, f"broadcast from rank {root}")
+        return _NcclWork(self, g, what)
+
+    def _broadcast(self, buf: torch.Tensor, root: int, comm, what: str) -> Work:
+        self._usable()
+        self._launching()
+        g = _Group(launched=True, new_peers=True, comm=comm)
+        with self._lock:
+            self._usable()
+            code = self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), root,
+                                      self._comm if comm is None else comm, self.comm_stream.cuda_stream)
+        self._last = g
+        if code == ncclSuccess:
+            g.event = self._record()
+        return _NcclWork(self, g, what)
 
     def close(self) -> None:
-        """Finalize and destroy the communicator (bounded: abort it if a peer does not finalize)."""
+        """Finalize and destroy the communicators, the broadcast groups' first (bounded: the session
+        is aborted if a peer does not finalize)."""
         self._open = None
         try:
-            if self.lib.has("ncclCommFinalize"):
-                with self._lock:
-                    if self._comm is None:
-                        return
-                    self.lib.comm_finalize(self._comm)
-                self._settle(time.monotonic() + CLOSE_TIMEOUT_S, CLOSE_TIMEOUT_S, f"closing NCCL session {self.session}")
-            with self._lock:
-                comm, self._comm = self._comm, None
-                if comm is None:
-                    return
-                self.lib.comm_destroy(comm)
-                self._broken = "closed"
+            for key in [k for k, b in self._subs.items() if b is not None]:
+                self._close_comm(key)
+            self._close_comm(None)
         except TransportError as e:  # _settle aborted it already, or abort() did meanwhile
             log.warning("nccl session %s, rank %d: %s", self.session, self.rank, e)
             if self._comm is not None:
                 self._abort(str(e))
+
+    def _close_comm(self, key: tuple[int, ...] | None) -> None:
+        """Finalize and destroy the session's communicator (key None) or a broadcast group's."""
+        with self._lock:
+            comm = self._comm if key is None else self._subs.get(key)
+            if self._comm is None or comm is None:
+                return
+            finalize = self.lib.has("ncclCommFinalize")
+            if finalize:
+                self.lib.comm_finalize(comm)
+        if finalize:
+            self._settle(time.monotonic() + CLOSE_TIMEOUT_S, CLOSE_TIMEOUT_S, f"closing NCCL session {self.session}",
+                         None if key is None else comm)
+        with self._lock:
+            if self._comm is None:
+                return  # aborted meanwhile
+            if key is None:
+                self._comm, self._broken = None, "closed"
+            else:
+                del self._subs[key]
+            self.lib.comm_destroy(comm)

@@ -8,6 +8,14 @@ on CUDA. A transport may hold back what was posted until `flush()` (NCCL fuses a
 round's operations in one group) and may run the engine's copies on a stream of
 its own (`copy_context()`); for gloo both are no-ops.
 
+A `stream_ordered` transport (NCCL) runs posted work in posting order on a device
+stream: the engine then queues rounds back to back, orders its copies after posted
+work with `Work.device_wait()` (a wait of the copy stream, not of the host) and waits
+on the host only to bound how far it runs ahead and at the end. Gloo is not: the engine
+waits on the host for each round. `warm_up` connects to a plan's peers before the first
+round, and `prepare_broadcast` makes the broadcast groups every rank will use; both are
+no-ops where connections are made with the group (gloo).
+
 `abort(reason)` may be called from any thread (the worker's control loop, when the
 controller aborts an update): whatever the data-plane thread is blocked on (joining
 the session, waiting for posted work) fails at once with `TransportError(reason)`, as
@@ -36,6 +44,11 @@ class TransportError(RuntimeError):
 class Work(abc.ABC):
     @abc.abstractmethod
     def wait(self, timeout_s: float) -> None: ...
+
+    def device_wait(self, timeout_s: float) -> None:
+        """Order what the current stream queues next after this work (a stream-ordered transport
+        waits on the device); elsewhere a host wait."""
+        self.wait(timeout_s)
 
 
 def serve_store(host: str, timeout_s: float):
@@ -67,6 +80,7 @@ class Transport(abc.ABC):
     name: str = "?"
     connection_bytes: int = 0  # device memory the transport's own connections hold (NCCL's buffers)
     aborted: str = ""  # why abort() was called ("" while the session is usable)
+    stream_ordered: bool = False  # posted work runs in posting order on a device stream (see the module doc)
 
     @classmethod
     def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
@@ -93,9 +107,17 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work: ...
 
+    def warm_up(self, sends_to: set[int], recvs_from: set[int], timeout_s: float) -> None:
+        """Set up the connections a plan uses (to `sends_to`, from `recvs_from`) before its first round.
+        Every peer must call it with the mirror image (the plan's pairs, seen from its side)."""
+
     def broadcast(self, buf: torch.Tensor, members: tuple[int, ...]) -> Work:
         """Broadcast from members[0] to the other members (the serialized baseline's collective)."""
         raise NotImplementedError(f"transport {self.name} has no broadcast")
+
+    def prepare_broadcast(self, groups: list[tuple[int, ...]], timeout_s: float) -> None:
+        """Make what `broadcast` needs for each group of members. Collective: every rank of the
+        session calls it, members or not, with the same groups in the same order."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

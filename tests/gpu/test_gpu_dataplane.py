@@ -62,6 +62,32 @@ def test_self_send_recv(lib):
     t.close()
 
 
+def test_warm_up_then_rounds_in_stream_order(lib):
+    """The stream-ordered primitives on a real GPU: a warm-up connects rank 0 to itself, then rounds
+    are queued back to back (each round's receive copied out on the copy stream after a device
+    wait, the next round reusing the buffers), and the host waits once, at the end."""
+    from reshard.common.dataplane.nccl_transport import NcclTransport
+
+    t = NcclTransport(lib.unique_id(), 0, 1, 30.0, device="cuda:0", session="ordered")
+    t.warm_up({0}, {0}, 30.0)
+    rounds = [torch.randint(0, 255, (4 << 20,), dtype=torch.uint8, device="cuda:0") for _ in range(8)]
+    out = torch.zeros(8, 4 << 20, dtype=torch.uint8, device="cuda:0")
+    stage = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda:0") for _ in range(2)]
+    last = []
+    with t.copy_context():
+        for i, a in enumerate(rounds):
+            works = [t.send(a, 0, i), t.recv(stage[i % 2], 0, i)]
+            t.flush()
+            for w in works:
+                w.device_wait(30.0)  # the copy stream waits; the host does not
+            out[i].copy_(stage[i % 2])
+            last = works
+        for w in last:
+            w.wait(30.0)
+    assert all(torch.equal(out[i], a) for i, a in enumerate(rounds))
+    t.close()
+
+
 def test_a_peer_that_never_joins_fails_at_the_deadline(lib):
     from reshard.common.dataplane.nccl_transport import NcclTransport
 

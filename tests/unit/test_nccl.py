@@ -323,25 +323,35 @@ def test_nccl_transport_refuses_cpu_buffers_and_sessions_without_an_id():
 
 
 class FakeEvent:
+    """Records and host waits go to the FakeCuda's log, in order: ("record", stream, id), ("query", id)
+    (the host's first poll of it)."""
+
     def __init__(self, cuda):
         self.cuda, self.polls = cuda, 0
+        self.id = cuda.events = cuda.events + 1
 
     def record(self, stream):
         self.stream = stream
+        self.cuda.log.append(("record", stream.name, self.id))
 
     def query(self):
         self.polls += 1
+        if self.polls == 1:
+            self.cuda.log.append(("query", self.id))
         return self.cuda.complete_after is not None and self.polls > self.cuda.complete_after
 
 
 class FakeStream:
     cuda_stream = 0
 
-    def __init__(self):
+    def __init__(self, cuda=None, name="default"):
+        self.cuda, self.name = cuda, name
         self.waits = self.syncs = 0
 
     def wait_event(self, ev):
         self.waits += 1
+        if self.cuda is not None:
+            self.cuda.log.append(("wait", self.name, ev.id))
 
     def wait_stream(self, other):
         self.waits += 1
@@ -353,13 +363,16 @@ class FakeStream:
 class FakeCuda:
     def __init__(self):
         self.complete_after = 0  # events complete after this many polls (None: never)
-        self.current = FakeStream()
+        self.log: list[tuple] = []  # stream waits, event records and host polls, in order
+        self.events = 0
+        self.made = iter(("comm", "copy"))  # the transport makes its comm stream, then its copy stream
+        self.current = FakeStream(self)
 
     def set_device(self):
         pass
 
     def stream(self):
-        return FakeStream()
+        return FakeStream(self, next(self.made))
 
     def event(self):
         return FakeEvent(self)
@@ -370,7 +383,15 @@ class FakeCuda:
     def use_stream(self, s):
         import contextlib
 
-        return contextlib.nullcontext()
+        @contextlib.contextmanager
+        def using():
+            before, self.current = self.current, s
+            try:
+                yield
+            finally:
+                self.current = before
+
+        return using()
 
     def free_bytes(self):
         return 1 << 30
@@ -380,17 +401,22 @@ class FakeCuda:
 
 
 class FakeNccl:
-    """Async-error answers come from a script: a list of codes, the last one repeating."""
+    """Async-error answers come from a script: a list of codes, the last one repeating. With `wire`
+    (a dict shared by every rank's FakeNccl) sends and receives move the bytes, in posting order per
+    pair of ranks, as NCCL matches them: ranks then run one after another, senders first. `calls`
+    may be the FakeCuda's log, to see both in one order."""
 
     version = "2.23.4"
 
-    def __init__(self, async_codes=(0,), group_end=0):
+    def __init__(self, async_codes=(0,), group_end=0, calls=None, wire=None, missing=()):
         self.async_codes, self.group_end_code = list(async_codes), group_end
-        self.calls: list[tuple] = []
+        self.calls: list[tuple] = [] if calls is None else calls
+        self.wire, self.missing = wire, set(missing)
         self.aborted = self.destroyed = 0
+        self.aborted_comms: list = []
 
     def has(self, name):
-        return True
+        return name not in self.missing
 
     def error_string(self, code):
         return {6: "remote process exited or there was a network error"}.get(code, "")
@@ -400,16 +426,24 @@ class FakeNccl:
 
     def comm_init_rank(self, world, uid, rank, blocking=False):
         self.calls.append(("init", world, rank, blocking))
+        self.rank = rank
         return "comm"
+
+    def comm_split(self, comm, color, key):
+        import types
+
+        self.calls.append(("split", color, key))
+        return types.SimpleNamespace(value=None if color < 0 else f"sub{len(self.calls)}")
 
     def comm_async_error(self, comm):
         return self.async_codes.pop(0) if len(self.async_codes) > 1 else self.async_codes[0]
 
     def comm_abort(self, comm):
         self.aborted += 1
+        self.aborted_comms.append(getattr(comm, "value", comm))
 
     def comm_finalize(self, comm):
-        self.calls.append(("finalize",))
+        self.calls.append(("finalize",) if comm == "comm" else ("finalize", comm.value))
         return 7
 
     def comm_destroy(self, comm):
@@ -424,14 +458,20 @@ class FakeNccl:
 
     def send(self, ptr, n, peer, comm, stream):
         self.calls.append(("send", peer, n))
+        if self.wire is not None:
+            self.wire.setdefault((self.rank, peer), []).append(ctypes.string_at(ptr, n))
         return 0
 
     def recv(self, ptr, n, peer, comm, stream):
         self.calls.append(("recv", peer, n))
+        if self.wire is not None:
+            data = self.wire[(peer, self.rank)].pop(0)
+            assert len(data) == n, f"rank {peer} sent {len(data)} bytes into a {n}-byte receive"
+            ctypes.memmove(ptr, data, n)
         return 0
 
     def broadcast(self, sptr, rptr, n, root, comm, stream):
-        self.calls.append(("broadcast", root, n))
+        self.calls.append(("broadcast", root, n) if comm == "comm" else ("broadcast", root, n, comm.value))
         return 0
 
 
@@ -517,14 +557,18 @@ def test_posts_are_checked():
         t.recv(torch.zeros(4, dtype=torch.uint8), 4, 0)
 
 
-def test_broadcast_whole_world_and_subset():
-    lib = FakeNccl()
+def test_broadcast_whole_world_and_subset_without_split(caplog):
+    lib = FakeNccl(missing={"ncclCommSplit"})
     t = _transport(lib, rank=0, world=3)
     t.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 1, 2)).wait(1.0)
     assert ("broadcast", 0, 6) in lib.calls
+    with caplog.at_level(logging.WARNING, logger="reshard.nccl"):
+        for _ in range(2):
+            t.prepare_broadcast([(0, 2), (0, 1)], 1.0)
+    assert caplog.text.count("no ncclCommSplit") == 1 and not any(c[0] == "split" for c in lib.calls)
     t.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 2)).wait(1.0)
-    assert ("send", 2, 6) in lib.calls
-    t2 = _transport(FakeNccl(), rank=2, world=3)
+    assert ("send", 2, 6) in lib.calls  # the star: the root sends to each member
+    t2 = _transport(FakeNccl(missing={"ncclCommSplit"}), rank=2, world=3)
     t2.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 2)).wait(1.0)
     assert ("recv", 0, 6) in t2.lib.calls
 
@@ -723,3 +767,263 @@ def test_cli_device_checked_before_starting(capsys):
     assert "sees no CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["trainer", "--listen", "127.0.0.1:0", "--device", "gpu"])
+
+
+# -- stream-ordered rounds, warm-up and broadcast groups, against the fakes ---------------------------
+
+
+def _relay_scene():
+    """One trainer rank, three inference ranks: 'w' in column halves (ranks 0 and 2 hold the same
+    half), 'v' whole on every rank, so inference ranks relay to their replicas; small buckets: many rounds."""
+    from reshard.common.layout.core import Box, Layout, LocalBuffer, Piece, TensorSpec
+    from reshard.common.plan.planner import PlanOptions, make_plan
+
+    rows, cols, half = 64, 96, 48
+    specs = {"w": TensorSpec("w", (rows, cols), "float32"), "v": TensorSpec("v", (rows, cols), "bfloat16")}
+
+    def whole(n, dtype):
+        return LocalBuffer(n, (rows, cols), dtype, (Piece(n, Box.full((rows, cols)), Box.full((rows, cols))),))
+
+    src = Layout(specs, ((whole("w", "float32"), whole("v", "bfloat16")),))
+    dst = Layout(specs, tuple((LocalBuffer("w", (rows, half), "float32", (Piece("w", Box.full((rows, half)), Box((0, (r % 2) * half), (rows, half))),)),
+                               whole("v", "bfloat16")) for r in range(3)))
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=4096, max_message_bytes=4096))
+    full = {"w": torch.randn(rows, cols), "v": torch.randn(rows, cols).to(torch.bfloat16)}
+    return plan, dst, full, {"w": (rows, cols), "v": (rows, cols)}
+
+
+def _logged_copies(monkeypatch, log):
+    from reshard.common.dataplane import engine
+
+    for name in ("pack", "unpack"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda m, bufs, buf, real=real, name=name: (log.append((name, m.round)), real(m, bufs, buf)))
+
+
+def _round_events(log):
+    """The event recorded on the comm stream right after each group, in launch order."""
+    out, after_group = [], False
+    for e in log:
+        if e == ("group_end",):
+            after_group = True
+        elif after_group and e[:2] == ("record", "comm"):
+            out.append(e[2])
+            after_group = False
+    return out
+
+
+def test_stream_ordered_engine_queues_rounds_and_waits_on_the_device(monkeypatch):
+    from reshard.common.dataplane.engine import Engine, receiver_checksums
+    from tests.unit.loopback import Loopback
+
+    plan, dst, full, shapes = _relay_scene()
+    assert any(m.relay for m in plan.messages) and len({m.round for m in plan.sends[0]}) > 4
+    wire, deadline = {}, time.monotonic() + 30
+    cuda = FakeCuda()
+    _logged_copies(monkeypatch, cuda.log)
+    t = _transport(FakeNccl(calls=cuda.log, wire=wire), cuda, rank=0, world=4)
+    progress = []
+    sums = Engine(t, plan, "src", 0, {k: v.clone() for k, v in full.items()}, shapes, StagingPool(), deadline,
+                  progress=lambda d, n: progress.append(d)).run()
+    log, events = cuda.log, _round_events(cuda.log)
+    rounds = sorted({m.round for m in plan.sends[0]})
+    assert len(events) == len(rounds) and progress[-1] == plan.send_bytes(0) and len(progress) == len(rounds)
+    groups = [i for i, e in enumerate(log) if e == ("group_end",)]
+    for k, ev in enumerate(events[:-1]):  # round k+1 is on the stream before the host first looks at round k
+        assert groups[k + 1] < log.index(("query", ev))
+    for k, ev in enumerate(events[:-2]):  # round k+2 packs into round k's half after the copy stream waits for round k
+        assert groups[k] < log.index(("wait", "copy", ev)) < log.index(("pack", rounds[k + 2]))
+    assert t.copy_stream.syncs == 1
+
+    # The same plan over the loopback (host waits, host checksums): the same sender sums.
+    assert sums == Engine(Loopback(0, {}), plan, "src", 0, full, shapes, StagingPool(), deadline).run()
+    sent, relays = plan.expected_checksums(dict(sums)), 0
+    for d in range(3):  # replicas after their relays' sources
+        cuda = FakeCuda()
+        _logged_copies(monkeypatch, cuda.log)
+        t = _transport(FakeNccl(calls=cuda.log, wire=wire), cuda, rank=1 + d, world=4)
+        out = {"w": torch.full((64, 48), float("nan")), "v": torch.zeros(64, 96, dtype=torch.bfloat16)}
+        landed = Engine(t, plan, "dst", d, out, shapes, StagingPool(), deadline, receiver_sums=True).run()
+        assert torch.equal(out["w"], full["w"][:, (d % 2) * 48 : (d % 2) * 48 + 48]) and torch.equal(out["v"], full["v"])
+        pieces = {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
+        got = receiver_checksums(plan, d, out, pieces, shapes)
+        assert got == {k: v for k, v in sent.items() if k[0] == d} and {k: got[k] for k in landed} == landed
+        events = _round_events(cuda.log)
+        mine = sorted({m.round for m in plan.recvs.get(d, []) + plan.relay_sends.get(d, [])})
+        for i, r in enumerate(mine):
+            if ("unpack", r) in cuda.log:  # a round's receives are unpacked after the copy stream waits for it
+                assert cuda.log.index(("wait", "copy", events[i])) < cuda.log.index(("unpack", r))
+            if any(m.round == r for m in plan.relay_sends.get(d, [])):
+                # a relay is packed after the copy stream waited for the round before it (what it forwards landed)
+                relays += 1
+                assert cuda.log.index(("wait", "copy", events[i - 1])) < cuda.log.index(("pack", r))
+    assert relays > 0
+    assert not any(wire.values()), "messages sent but never received"
+
+
+def test_stream_ordered_final_wait_honours_deadline_and_abort():
+    import threading
+
+    from reshard.common.dataplane.engine import Engine
+
+    plan, _, full, shapes = _relay_scene()
+    cuda = FakeCuda()
+    cuda.complete_after = None  # a peer that never posts: no group ever completes
+    lib = FakeNccl()
+    t = _transport(lib, cuda, rank=0, world=4)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="not done within"):
+        Engine(t, plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 0.3).run()
+    assert time.monotonic() - t0 < 1.5 and lib.aborted == 1
+
+    cuda = FakeCuda()
+    cuda.complete_after = None
+    lib = FakeNccl()
+    t = _transport(lib, cuda, rank=0, world=4)
+    threading.Timer(0.2, t.abort, args=("update u1 aborted by the controller",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="update u1 aborted by the controller"):
+        Engine(t, plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 30).run()
+    assert time.monotonic() - t0 < 1.5 and lib.aborted == 1
+
+
+def test_leaving_the_engine_with_work_in_flight_aborts_the_session():
+    from reshard.common.dataplane.engine import Engine
+
+    plan, _, full, shapes = _relay_scene()
+    cuda = FakeCuda()
+    lib = FakeNccl()
+    t = _transport(lib, cuda, rank=0, world=4)
+
+    def hook(i):
+        raise RuntimeError("the host's own failure")
+
+    cuda.complete_after = 0  # round 0 completes, then the hook fails with later rounds still queued
+    engine = Engine(t, plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 30, hook=hook)
+    with pytest.raises(RuntimeError, match="own failure"):
+        engine.run()
+    assert lib.aborted == 1 and "work in flight" in t._broken
+
+
+def test_warm_up_connects_each_pair_once_and_settles():
+    cuda = FakeCuda()
+    lib = FakeNccl(group_end=7, calls=cuda.log)  # ncclInProgress: connections being set up
+    t = _transport(lib, cuda, rank=0, world=4)
+    lib.async_codes = [7, 7, 0]
+    t.warm_up({1, 3}, {1, 2}, 1.0)
+    start = lib.calls.index(("group_start",))
+    assert [c for c in lib.calls[start:] if c[0] in ("group_start", "send", "recv", "group_end")] == [
+        ("group_start",), ("recv", 1, 1), ("send", 1, 1), ("recv", 2, 1), ("send", 3, 1), ("group_end",)]
+    assert lib.async_codes == [0] and lib.aborted == 0
+    n = len(lib.calls)
+    t.warm_up({1, 3}, {1, 2}, 1.0)  # connected already: nothing posted
+    t.warm_up(set(), set(), 1.0)
+    assert len(lib.calls) == n
+    t.warm_up({2}, {1}, 1.0)  # only the new pair
+    assert [c for c in lib.calls[n:] if c[0] in ("send", "recv")] == [("send", 2, 1)]
+
+
+def test_warm_up_with_a_peer_that_never_posts_fails_at_the_deadline():
+    cuda = FakeCuda()
+    lib = FakeNccl()
+    t = _transport(lib, cuda, rank=0, world=4)
+    cuda.complete_after = None
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"warm-up \(connecting to ranks \[1, 2\]\) .*not done within 0.2s"):
+        t.warm_up({1}, {2}, 0.2)
+    assert 0.2 <= time.monotonic() - t0 < 1.5 and lib.aborted == 1
+    lib = FakeNccl(group_end=7)
+    t = _transport(lib, rank=0, world=4)
+    lib.async_codes = [7]  # connection setup that never ends
+    with pytest.raises(TransportError, match="warm-up .*not done within 0.2s"):
+        t.warm_up({1}, set(), 0.2)
+    assert lib.aborted == 1
+
+
+def test_gloo_and_loopback_warm_up_and_prepare_nothing():
+    from reshard.common.dataplane.transport import GlooTransport
+    from tests.unit.loopback import Loopback
+
+    assert not GlooTransport.stream_ordered and not Loopback.stream_ordered and NcclTransport.stream_ordered
+    t = Loopback(0, {})
+    assert t.warm_up({1}, {2}, 1.0) is None and t.prepare_broadcast([(0, 1)], 1.0) is None
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_prepare_broadcast_splits_on_every_rank(rank):
+    lib = FakeNccl(calls=None)
+    t = _transport(lib, rank=rank, world=4)
+    groups = [(2, 0, 3), (0, 1, 2, 3), (1,)]  # root 2 first; the whole session; a group of one
+    t.prepare_broadcast(groups, 1.0)
+    member = rank in (0, 2, 3)
+    splits = [c for c in lib.calls if c[0] == "split"]
+    assert splits == [("split", 0 if member else -1, rank)]  # only the subset needs a communicator
+    if member:
+        sub = f"sub{lib.calls.index(splits[0]) + 1}"
+        assert ("broadcast", 1, 1, sub) in lib.calls  # connected at once; root 2 is rank 1 of (0, 2, 3)
+        t.broadcast(torch.zeros(6, dtype=torch.uint8), (2, 0, 3)).wait(1.0)
+        assert lib.calls[-1] == ("broadcast", 1, 6, sub)
+        assert not any(c[0] in ("send", "recv") for c in lib.calls)
+    t.prepare_broadcast(groups, 1.0)  # made once
+    assert [c for c in lib.calls if c[0] == "split"] == splits
+    t.close()
+    assert lib.destroyed == (2 if member else 1) and lib.aborted == 0
+    if member:
+        assert lib.calls.index(("finalize", sub)) < lib.calls.index(("finalize",))
+
+
+def test_broadcast_groups_are_aborted_with_the_session_and_needed_before_use():
+    lib = FakeNccl()
+    t = _transport(lib, rank=0, world=4)
+    with pytest.raises(TransportError, match="prepare_broadcast"):
+        t.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 1))
+    t.prepare_broadcast([(0, 1), (0, 2, 3)], 1.0)
+    t.abort("update u2 aborted")
+    assert lib.aborted == 3 and lib.aborted_comms[-1] == "comm"
+    with pytest.raises(TransportError, match="u2 aborted"):
+        t.broadcast(torch.zeros(6, dtype=torch.uint8), (0, 1))
+
+
+def test_a_split_whose_communicator_never_comes_fails_at_the_deadline():
+    import types
+
+    lib = FakeNccl()
+    lib.comm_split = lambda comm, color, key: types.SimpleNamespace(value=None)
+    t = _transport(lib, rank=0, world=4)
+    with pytest.raises(TransportError, match=r"splitting a communicator for ranks \[0, 1\] .*no communicator within 0.2s"):
+        t.prepare_broadcast([(0, 1)], 0.2)
+    assert lib.aborted == 1
+
+
+def test_serialized_baseline_prepares_its_broadcast_group_on_every_rank():
+    """Every rank, trainer ranks outside the broadcast included, asks for the group first."""
+    from types import SimpleNamespace
+
+    from reshard.common.layout.core import Box, Layout, LocalBuffer, Piece, TensorSpec
+    from reshard.tools import baseline
+    from tests.unit.loopback import Done, Loopback
+
+    class Recording(Loopback):
+        def prepare_broadcast(self, groups, timeout_s):
+            calls.append((self.rank, groups))
+
+        def broadcast(self, buf, members):
+            if self.rank == members[0]:
+                self.wire["bcast"] = buf.clone()
+            else:
+                buf.copy_(self.wire["bcast"])
+            return Done()
+
+    calls: list = []
+    specs = {"w": TensorSpec("w", (4, 8), "float32")}
+    src = Layout(specs, tuple((LocalBuffer("w", (2, 8), "float32", (Piece("w", Box.full((2, 8)), Box((2 * r, 0), (2, 8))),)),) for r in range(2)))
+    dst = Layout(specs, tuple((LocalBuffer("w", (4, 8), "float32", (Piece("w", Box.full((4, 8)), Box.full((4, 8))),)),) for _ in range(2)))
+    full, wire, session = torch.randn(4, 8), {}, SimpleNamespace(src_world=2, dst_world=2)
+    deadline = time.monotonic() + 30
+    for side, rank, bufs in [("src", 1, {"w": full[2:].clone()}), ("src", 0, {"w": full[:2].clone()}),
+                             ("dst", 0, {"w": torch.zeros(4, 8)}), ("dst", 1, {"w": torch.zeros(4, 8)})]:
+        baseline.run(side, Recording(rank if side == "src" else 2 + rank, wire), session, rank, src, dst, bufs,
+                     {"w": (4, 8)}, StagingPool(), deadline, lambda a, b: None, timeout=30)
+        if side == "dst":
+            assert torch.equal(bufs["w"], full)
+    assert calls == [(r, [(0, 2, 3)]) for r in (1, 0, 2, 3)]
