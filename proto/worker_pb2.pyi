@@ -222,14 +222,18 @@ class ReadPiece(_message.Message):
     def __init__(self, id: _Optional[int] = ..., offset: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("update_id", "bytes_done", "bytes_total")
+    __slots__ = ("update_id", "bytes_done", "bytes_total", "connected", "connect_seconds")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     bytes_done: int
     bytes_total: int
-    def __init__(self, update_id: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+    connected: bool
+    connect_seconds: float
+    def __init__(self, update_id: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., connected: _Optional[bool] = ..., connect_seconds: _Optional[float] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("update_id", "ok", "error", "checksums", "bytes", "seconds", "checksum_seconds", "memory")

@@ -102,6 +102,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.wake = asyncio.Event()
         self.changed = asyncio.Condition()
         self._done: dict[int, wpb.TransferDone] = {}
+        self._connected: set[int] = set()  # ranks that joined the session and connected to their peers
         self._update_id = ""
         self._done_event = asyncio.Event()
         self._devices: list[str] = []  # the deployment being updated: its workers' devices, its membership
@@ -127,7 +128,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 if self.auto_push:
                     self._request(msg.published.version)
         elif kind == "progress" and msg.progress.update_id == self._update_id:
-            self.progress_done[conn.rank] = msg.progress.bytes_done
+            if msg.progress.connected:
+                self._connected.add(conn.rank)
+                self._done_event.set()
+            else:
+                self.progress_done[conn.rank] = msg.progress.bytes_done
         elif kind == "done" and msg.done.update_id == self._update_id:
             self._done[conn.rank] = msg.done
             self._done_event.set()
@@ -466,13 +471,35 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             return
         raise UpdateFailed("inference refused the update: it does not accept the source layout")
 
+    async def _await_ranks(self, d: Deployment, uid: str, deadline: float, ready, during: str) -> None:
+        """Until `ready()`: fails at once when a rank reports a failed transfer, a worker dies or goes
+        silent, inference aborts, or the update's deadline passes."""
+        while True:
+            failed = [td for td in self._done.values() if not td.ok]
+            if failed:
+                raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
+            if ready():
+                return
+            if not self.hub.complete():
+                raise UpdateFailed(f"a trainer worker died {during}")
+            if stale := self.hub.stale_error():
+                raise UpdateFailed(f"{during}, {stale}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UpdateFailed(f"update deadline ({self.deadlines.update_s:.0f}s) passed {during}")
+            self._done_event.clear()
+            try:
+                await asyncio.wait_for(self._done_event.wait(), min(left, 1.0))
+            except asyncio.TimeoutError:
+                await self._check_inference(d, uid)  # it may have aborted (a frozen rank of its own)
+
     async def _update_one(self, d: Deployment, version: pb.Version, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
         mode = self.method
         t0 = time.monotonic()
         deadline = t0 + self.deadlines.update_s
         self.current = version
         self._update_id = uid = uuid.uuid4().hex[:12]
-        self._done, self.progress_done, self.progress_total = {}, {}, 0
+        self._done, self._connected, self.progress_done, self.progress_total = {}, set(), {}, 0
         began = False
         record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address, update_id=uid)
         try:
@@ -538,30 +565,15 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             # if a worker goes silent.
             await self.hub.prepare_all(max(self.deadlines.rpc_s, deadline - time.monotonic()), prep,
                                        {src_fp: src_bytes, dst_fp: dst_bytes})
-            # TRANSFER
+            # CONNECT ends when every trainer rank joined the session and connected to its peers (which
+            # needs the inference ranks too); TRANSFER then times the rounds alone.
+            await self._await_ranks(d, uid, deadline, lambda: len(self._connected | set(self._done)) >= self.hub.world,
+                                    "while connecting")
             self.phase = d.phase = "TRANSFER"
             faults.at_phase("trainer", "TRANSFER", workers=self.hub)
             t_transfer = time.monotonic()
             phases["connect"] = t_transfer - t0 - phases["negotiate"]
-            while len(self._done) < self.hub.world:
-                failed = [td for td in self._done.values() if not td.ok]
-                if failed:
-                    raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
-                if not self.hub.complete():
-                    raise UpdateFailed("a trainer worker died during the transfer")
-                if stale := self.hub.stale_error():
-                    raise UpdateFailed(f"during the transfer, {stale}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise UpdateFailed(f"update deadline ({self.deadlines.update_s:.0f}s) passed during the transfer")
-                self._done_event.clear()
-                try:
-                    await asyncio.wait_for(self._done_event.wait(), min(left, 1.0))
-                except asyncio.TimeoutError:
-                    await self._check_inference(d, uid)  # it may have aborted (a frozen rank of its own)
-            failed = [td for td in self._done.values() if not td.ok]
-            if failed:
-                raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
+            await self._await_ranks(d, uid, deadline, lambda: len(self._done) >= self.hub.world, "during the transfer")
             record.transfer_seconds = time.monotonic() - t_transfer
             # VERIFY + COMMIT (on inference, all ranks or none)
             self.phase = d.phase = "VERIFY"

@@ -469,8 +469,13 @@ class WorkerBase:
         if p.update_id in self._aborted:
             raise TransportError(f"update {p.update_id} was aborted")
         self._update_session = {p.update_id: p.session.id}
+        t_connect = time.monotonic()
         transport = self._transport(p.session, p.timeout_s, p.update_id)
         buffers = self.transfer_buffers()
+
+        def connected() -> None:  # the CONNECT phase ends on the controller when every rank said so
+            self.emit(wpb.WorkerMessage(progress=wpb.Progress(update_id=p.update_id, connected=True,
+                                                              connect_seconds=time.monotonic() - t_connect)))
         last = [0.0]
 
         cuda = self.device.startswith("cuda")
@@ -498,6 +503,7 @@ class WorkerBase:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
         if p.mode and p.mode != RESHARD:  # a tool's method (checked known at prepare)
+            connected()
             return transfer_method(p.mode)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
                                 deadline, progress, timeout=p.timeout_s)
         engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
@@ -505,6 +511,7 @@ class WorkerBase:
         # Connections to the plan's peers (NCCL makes them in the first group with each): set up here, with
         # the joining, so that the first round moves bytes only. A session reused connects only new pairs.
         transport.warm_up(*engine.peers(), max(0.0, deadline - time.monotonic()))
+        connected()
         sums = engine.run()
         return sums, engine.bytes_done, engine.checksum_seconds
 

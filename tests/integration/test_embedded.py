@@ -30,6 +30,17 @@ def fill(layout, rank, tensors, full):
             tensors[desc.name][p.region.slices()].copy_(full[p.tensor][p.box.slices()])
 
 
+def _recording(emit, into: list):
+    """A worker's `emit`, noting each message's kind first."""
+    def record(msg):
+        kind = msg.WhichOneof("kind")
+        if kind == "progress":
+            kind = "connected" if msg.progress.connected else "bytes"
+        into.append(kind)
+        return emit(msg)
+    return record
+
+
 @pytest.mark.parametrize("snapshot", [False, True])
 def test_embedded_workers_publish_and_commit(snapshot):
     cfg = model_config("tiny")
@@ -45,6 +56,7 @@ def test_embedded_workers_publish_and_commit(snapshot):
     ]
     src, dst = megatron_layout(cfg, 2), vllm_layout(cfg, 2)
     events = []
+    sent: dict[int, list] = {}  # what each trainer rank told its controller, in order
     trainers, inferences = [], []
     try:
         for r in range(2):
@@ -56,7 +68,9 @@ def test_embedded_workers_publish_and_commit(snapshot):
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
             fill(src, r, {n: t for n, (_, t) in bufs.items()}, full)
-            trainers.append(TrainerWorker(tr_w, r, 2, src.tensors, bufs, run="emb", snapshot=snapshot).start())
+            w = TrainerWorker(tr_w, r, 2, src.tensors, bufs, run="emb", snapshot=snapshot)
+            w.emit = _recording(w.emit, sent.setdefault(r, []))
+            trainers.append(w.start())
         for w in trainers + inferences:
             assert w.wait_connected(60)
         for step in (1, 2):
@@ -83,6 +97,13 @@ def test_embedded_workers_publish_and_commit(snapshot):
                     assert torch.equal(t[keep], want[name][keep]), f"rank {r} {name} at step {step}"
                 assert ("commit", r, step) in events
         assert ("pause", 0) in events and ("resume", 0) in events
+        # CONNECT: each rank says it joined the session and reached its peers before any byte moves.
+        for r, msgs in sent.items():
+            order = [k for k in msgs if k in ("connected", "bytes", "done")]
+            assert order.count("connected") == 2 and order.count("done") == 2, (r, order)
+            for i, k in enumerate(order):
+                if k != "connected":
+                    assert "connected" in order[:i] and order[:i].count("connected") > order[:i].count("done"), (r, order)
         # --model is only a label with external workers; 64-bit integers print as JSON numbers.
         st = json.loads(cli("status", "--trainer", tr, "--json", check=True).stdout)
         assert st["model"] == "my-tiny" and st["committed"] == {"run": "emb", "step": 2}
