@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-dtype", default="", choices=["", "float32", "bfloat16", "float16"],
                    help="standalone workers hold the weights in this dtype (e.g. float32 masters); a declared cast "
                         "to the inference dtype, done on the sender")
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="data plane: nccl when every worker's buffers are on CUDA, gloo when on CPU (auto), or forced")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl", "ipc"], default="auto",
+                   help="data plane (auto): ipc (CUDA IPC) when every worker's buffers are on one GPU, nccl when on "
+                        "CUDA otherwise, gloo when on CPU; or forced")
     p.add_argument("--transfer-method", default="reshard",
                    help="how every update moves: reshard (default), or a method a measurement tool plugs in "
                         "(serialized: the serialized baseline `reshard demo` compares against)")

@@ -16,6 +16,9 @@ first). Sections, each timed and each failing on its own (its error goes into th
 - abort: a 2-rank communicator whose peer never joins: fails at its deadline, abort latency;
 - ipc: CUDA IPC between two processes on one GPU: the child maps the parent's trainer
   buffers and runs its share of a plan from them, every piece verified, GB/s;
+- colocated: a full update through both services with every trainer and inference worker on
+  this GPU: the backend picks CUDA IPC, two updates commit verified, and every tensor read
+  back through the Dump RPC equals the synthetic weights of its step, bit for bit;
 - memory: NCCL's connection buffers (init, first round, steady), staging, shadow, snapshot.
 
 Meant to finish in well under 5 minutes on one H200.
@@ -35,7 +38,7 @@ import traceback
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # through scripts/gpu_check.py's links too
 GB = 1e9
 
 
@@ -321,6 +324,84 @@ def section_memory(dev, nccl_self: dict | None) -> dict:
     return out
 
 
+def section_colocated(dev) -> dict:
+    """trainer_svc (2 workers) and inference_svc (2 workers), every worker on this GPU (CUDA IPC),
+    driven through the CLI; read back through the Dump RPC against the synthetic weights."""
+    import socket
+
+    import grpc
+
+    from reshard.common.layout.core import dtype_of
+    from reshard.common.models.presets import model_config
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+    from reshard.tools.synth import tensor_value
+
+    def port() -> int:
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            return so.getsockname()[1]
+
+    model, seed = "small", 0
+    inf, tr = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}"
+    env = dict(os.environ)  # PYTHONPATH reaches this checkout's reshard (scripts/gpu_check.py), as for the workers
+    cmd = [sys.executable, "-m", "reshard.cli"]
+    common = ["--model", model, "--device", "cuda", "--update-timeout", "120", "--seed", str(seed)]
+    procs = [subprocess.Popen(cmd + ["inference", "--listen", inf, "--workers", "2", *common], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(cmd + ["trainer", "--listen", tr, "--workers", "2", "--inference", inf, "--run", "colo", *common],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    out: dict = {"model": model, "workers": "trainer 2 + inference 2, all on " + str(dev)}
+    try:
+        def status(flag: str, addr: str) -> dict:
+            r = subprocess.run(cmd + ["status", flag, addr, "--json"], env=env, capture_output=True, text=True, timeout=60)
+            return json.loads(r.stdout) if r.returncode == 0 else {}
+
+        deadline = time.monotonic() + 120
+        while not (status("--inference", inf).get("serving_state") == "SERVING"
+                   and status("--trainer", tr).get("serving_state") == "SERVING"):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                return {"ok": False, "error": "services did not come up", "stderr": [p.stderr.read()[-2000:] if p.poll() is not None else ""
+                                                                                  for p in procs]}
+            time.sleep(0.5)
+        updates = []
+        for _ in range(2):
+            r = subprocess.run(cmd + ["update", "--trainer", tr, "--wait", "--json"], env=env, capture_output=True, text=True,
+                               timeout=300)
+            updates.append(json.loads(r.stdout) if r.stdout.strip() else {"ok": False, "error": r.stderr[-1500:]})
+        st = status("--trainer", tr)
+        out["updates"] = [{k: u.get(k) for k in ("ok", "error", "committed")} for u in updates]
+        out["backend"] = [d.get("backend") for d in st.get("deployments", [])]
+        hist = [h for h in st.get("history", []) if h.get("ok")]
+        out["update_seconds"] = [float(h.get("seconds", 0)) for h in hist]
+        out["verified"] = bool(hist) and all(h.get("verified") for h in hist)
+        step = int(updates[-1].get("committed", {}).get("step", -1)) if updates[-1].get("ok") else -1
+        bad, checked = [], 0
+        with grpc.insecure_channel(inf, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+            stub = rgrpc.InferenceServiceStub(ch)
+            for name, spec in model_config(model).tensors().items():
+                data, first = bytearray(), None
+                for chunk in stub.Dump(pb.DumpRequest(tensor=name), timeout=120):
+                    first = first or chunk
+                    data += chunk.data
+                got = torch.frombuffer(data, dtype=dtype_of(first.dtype)).view(list(first.shape))
+                checked += 1
+                if not torch.equal(got, tensor_value(seed, name, step, spec.shape, dtype_of(first.dtype))):
+                    bad.append(name)
+        out.update(step=step, tensors_checked=checked, tensors_wrong=bad[:10],
+                   ok=all(u.get("ok") for u in updates) and out["backend"] == ["ipc"] and out["verified"] and not bad)
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def run_tests() -> dict:
     try:
         import pytest
@@ -365,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     run("nccl_self", section_nccl_self, dev)
     run("abort", section_abort, dev)
     run("ipc", section_ipc, dev)
+    run("colocated", section_colocated, dev)
     run("memory", section_memory, dev, report["nccl_self"] if "error" not in report["nccl_self"] else None)
     report["seconds"] = round(time.monotonic() - t_all, 1)
     failed = [k for k, v in report.items() if isinstance(v, dict) and ("error" in v or v.get("ok") is False

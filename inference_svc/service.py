@@ -19,10 +19,11 @@ from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, serve
 from reshard.common.control.rpc import Deadlines, clamp_timeout, keep_task, run_main
 from reshard.common.control.security import current as current_security
 from reshard.common.control.supervisor import module_command
+from reshard.common.dataplane.backend import plan_options
 from reshard.common.layout.core import Layout, LayoutError, dtype_of
 from reshard.common.layout.wire import layout_fingerprint, layout_from_bytes
 from reshard.common.plan import verify
-from reshard.common.plan.planner import Plan, PlanOptions, make_plan
+from reshard.common.plan.planner import Plan, make_plan
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -108,10 +109,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     async def _plan(self, src: Layout, dst: Layout, req: pb.BeginUpdateRequest) -> Plan:
         """The update's plan, kept per (layouts, bucket, tensors): planned off the loop, once."""
-        key = (layout_fingerprint(src), layout_fingerprint(dst), req.bucket_bytes, tuple(sorted(req.tensors)))
+        opts = plan_options(req.bucket_bytes, req.session.transport)
+        key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, opts.relay, tuple(sorted(req.tensors)))
         plan = self._plans.pop(key, None)
         if plan is None:
-            opts = PlanOptions(bucket_bytes=req.bucket_bytes) if req.bucket_bytes else PlanOptions()
             subset = set(req.tensors) if req.tensors else None
             plan = await asyncio.get_running_loop().run_in_executor(None, make_plan, src, dst, opts, subset)
         self._plans[key] = plan
@@ -207,7 +208,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.LayoutReply(model=self.model, layout=b"" if request.known_fingerprint == fp else data, fingerprint=fp,
-                              workers=self.hub.world, devices=[w.device for w in self.hub.alive()], membership=self.membership())
+                              workers=self.hub.world, devices=[w.device for w in self.hub.alive()], membership=self.membership(),
+                              device_uuids=[w.hello.device_uuid for w in self.hub.alive()])
 
     def membership(self) -> str:
         """Who the data plane would connect to: this controller's life and its workers' processes."""

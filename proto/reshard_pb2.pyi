@@ -228,20 +228,22 @@ class GetLayoutRequest(_message.Message):
     def __init__(self, known_fingerprint: _Optional[str] = ...) -> None: ...
 
 class LayoutReply(_message.Message):
-    __slots__ = ("model", "layout", "fingerprint", "workers", "devices", "membership")
+    __slots__ = ("model", "layout", "fingerprint", "workers", "devices", "membership", "device_uuids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout: bytes
     fingerprint: str
     workers: int
     devices: _containers.RepeatedScalarFieldContainer[str]
     membership: str
-    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ...) -> None: ...
+    device_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id", "key")

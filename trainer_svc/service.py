@@ -20,12 +20,12 @@ from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local
 from reshard.common.control.methods import RESHARD, transfer_methods
 from reshard.common.control.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
 from reshard.common.control.supervisor import module_command
-from reshard.common.dataplane.backend import BACKENDS, BackendError, select_backend
+from reshard.common.dataplane.backend import BACKENDS, BackendError, plan_options, select_backend
 from reshard.common.dataplane.transport import serve_store
 from reshard.common.layout.core import Layout, LayoutError
 from reshard.common.layout.wire import layout_from_bytes
 from reshard.common.plan import verify
-from reshard.common.plan.planner import PlanOptions, make_plan, select_tensors
+from reshard.common.plan.planner import make_plan, select_tensors
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -105,7 +105,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._connected: set[int] = set()  # ranks that joined the session and connected to their peers
         self._update_id = ""
         self._done_event = asyncio.Event()
-        self._devices: list[str] = []  # the deployment being updated: its workers' devices, its membership
+        self._devices: list[str] = []  # the deployment being updated: its workers' devices, GPUs and membership
+        self._gpus: list[str] = []
         self._membership = ""
 
     @property
@@ -436,7 +437,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.hub.meter.add("LayoutReply", lr)
         if lr.model and self.model and lr.model != self.model:
             log.warning("trainer model %s vs inference model %s: layouts decide compatibility", self.model, lr.model)
-        self._devices, self._membership = list(lr.devices), lr.membership
+        self._devices, self._gpus, self._membership = list(lr.devices), list(lr.device_uuids), lr.membership
         if d.dst is None or lr.fingerprint != known or lr.layout:
             if not lr.layout:
                 raise UpdateFailed(f"inference at {d.address} sent no layout for fingerprint {lr.fingerprint}")
@@ -511,14 +512,19 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             loop = asyncio.get_running_loop()
             src, src_fp, src_bytes = await self.hub.layout()
             dst_fp, dst, dst_bytes = await self._dest_layout(d)
-            opts = PlanOptions(bucket_bytes=self.bucket_bytes) if self.bucket_bytes else PlanOptions()
+            try:
+                backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)),
+                                         {w.rank: w.hello.device_uuid for w in self.hub.alive()}, dict(enumerate(self._gpus)))
+            except BackendError as e:
+                raise UpdateFailed(f"{e}; nothing transferred") from None
+            opts = plan_options(self.bucket_bytes, backend)
             try:
                 subset = select_tensors(dst, patterns)
             except LayoutError as e:
                 raise UpdateFailed(str(e)) from None
             try:
                 names = sorted(subset) if subset is not None else []
-                key = (src_fp, dst_fp, opts.bucket_bytes, tuple(names))
+                key = (src_fp, dst_fp, opts.bucket_bytes, opts.relay, tuple(names))
                 plan = d.plans.pop(key, None)
                 if plan is None:
                     plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
@@ -528,10 +534,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             except LayoutError as e:
                 raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
             self.progress_total = plan.total_bytes
-            try:
-                backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)))
-            except BackendError as e:
-                raise UpdateFailed(f"{e}; nothing transferred") from None
             # CONNECT: reuse the session while membership is unchanged.
             phases = record.phase_seconds
             phases["negotiate"] = time.monotonic() - t0

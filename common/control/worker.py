@@ -24,12 +24,13 @@ from reshard.common.control.methods import RESHARD, transfer_method
 from reshard.common.control.rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
 from reshard.common.control.security import Security
 from reshard.common.control.supervisor import CONTROLLER_PID_KEY
-from reshard.common.dataplane.backend import buffers_device
+from reshard.common.dataplane.backend import buffers_device, device_uuid, plan_options
+from reshard.common.dataplane.cuda_ipc import run_ipc
 from reshard.common.dataplane.engine import Engine, StagingPool
 from reshard.common.dataplane.transport import Transport, TransportError, transport_class
 from reshard.common.layout.core import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
-from reshard.common.plan.planner import Plan, PlanOptions, make_plan
+from reshard.common.plan.planner import Plan, make_plan
 from reshard.common.plan.verify import sender_report
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
@@ -131,6 +132,7 @@ class WorkerBase:
         self.version: pb.Version | None = None
         self.fault = fault or {}
         self.device = buffers_device(self.live.values())  # cpu | cuda:N: reported in hello, picks the backend
+        self.device_uuid = device_uuid(self.device)  # its GPU, the same in every process: colocated ranks use CUDA IPC
         self._pool = StagingPool(self.device)
         self.memory: dict[str, int] = {}  # the last memory report (bytes by category)
         self._mem_high = 0
@@ -242,7 +244,7 @@ class WorkerBase:
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
                           rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts),
-                          device=self.device)
+                          device=self.device, device_uuid=self.device_uuid)
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True
@@ -364,7 +366,7 @@ class WorkerBase:
     async def _on_prepare(self, p: wpb.Prepare, cid: int) -> dict:
         faults.at_phase(f"{self.role}-worker", "CONNECT", self.rank)
         loop = asyncio.get_running_loop()
-        opts = PlanOptions(bucket_bytes=p.bucket_bytes) if p.bucket_bytes else PlanOptions()
+        opts = plan_options(p.bucket_bytes, p.session.transport)
         subset = set(p.tensors) if p.tensors else None
         method = p.mode or RESHARD
         if method != RESHARD:
@@ -375,7 +377,7 @@ class WorkerBase:
         # and built off the loop, once per process.
         src, dst = await asyncio.gather(loop.run_in_executor(None, _layout, p.src_fingerprint, p.src_layout, "source"),
                                         loop.run_in_executor(None, _layout, p.dst_fingerprint, p.dst_layout, "destination"))
-        key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, tuple(sorted(subset or ())))
+        key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, opts.relay, tuple(sorted(subset or ())))
         plan = await loop.run_in_executor(None, _PLANS.get, key, lambda: make_plan(src, dst, opts, subset))
         if method == RESHARD and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
@@ -502,6 +504,12 @@ class WorkerBase:
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
+        if transport.name == "ipc":  # every rank on this GPU: destinations read the sources' buffers
+            if p.mode and p.mode != RESHARD:
+                raise TransportError(f"transfer method {p.mode!r} sends messages between ranks, and a CUDA IPC session "
+                                     "(every worker on one GPU) has none")
+            connected()
+            return run_ipc(transport, p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst, deadline, progress)
         if p.mode and p.mode != RESHARD:  # a tool's method (checked known at prepare)
             connected()
             return transfer_method(p.mode)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,

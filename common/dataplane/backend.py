@@ -1,14 +1,21 @@
-"""Which data-plane backend a session uses: NCCL when every worker's buffers are on CUDA,
-gloo when every worker's are on CPU, or the one a flag forces. A session that mixes CPU
-and CUDA workers is refused before any byte moves, naming the ranks on each side."""
+"""Which data-plane backend a session uses: CUDA IPC when every worker's buffers are on one
+GPU (the colocated case: matched by device UUID, since CUDA_VISIBLE_DEVICES may number it
+differently in each process), NCCL when they are on CUDA otherwise, gloo when every
+worker's are on CPU, or the one a flag forces. A session that mixes CPU and CUDA workers
+is refused before any byte moves, naming the ranks on each side, and so is one where some
+ranks share a GPU while others are elsewhere (NCCL cannot hold two ranks of one GPU, and a
+session mixing IPC and NCCL is not supported yet)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device is read: a controller plans without it
+    import torch
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "ipc")
 
 
 class BackendError(ValueError):
@@ -24,6 +31,8 @@ def buffers_device(tensors: Iterable[torch.Tensor]) -> str:
 
 
 def _normalize(d: torch.device) -> torch.device:
+    import torch
+
     if d.type == "cuda" and d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return d
@@ -33,6 +42,8 @@ def worker_device(spec: str, rank: int) -> torch.device:
     """Where a standalone worker keeps its weights: 'cpu'; 'cuda' (local GPU rank % count, the
     usual one-process-per-GPU placement); or an explicit 'cuda:N'. Clear errors when CUDA is
     missing or the index is out of range."""
+    import torch
+
     spec = (spec or "cpu").strip()
     if spec == "cpu":
         return torch.device("cpu")
@@ -48,6 +59,25 @@ def worker_device(spec: str, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def device_uuid(device: str) -> str:
+    """The UUID of the GPU a 'cuda:N' device names ('' for cpu): the same GPU has the same UUID in
+    every process, whatever its CUDA_VISIBLE_DEVICES."""
+    if device_kind(device) != "cuda":
+        return ""
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def plan_options(bucket_bytes: int, backend: str):
+    """The plan options of a session: every process plans alike from the same two values. A CUDA IPC
+    session plans without relays (its destination ranks read the sources' buffers themselves)."""
+    from reshard.common.plan.planner import PlanOptions
+
+    opts = PlanOptions(bucket_bytes=bucket_bytes) if bucket_bytes else PlanOptions()
+    return dataclasses.replace(opts, relay=False) if backend == "ipc" else opts
+
+
 def device_kind(device: str) -> str:
     """'cuda:3' -> 'cuda'; '' (a worker that does not report its device) -> 'cpu'."""
     return (device or "cpu").split(":")[0]
@@ -57,8 +87,10 @@ def _ranks(devices: Mapping[int, str], kind: str) -> list[int]:
     return sorted(r for r, d in devices.items() if device_kind(d) == kind)
 
 
-def select_backend(requested: str, trainer: Mapping[int, str], inference: Mapping[int, str]) -> str:
-    """The backend for a session between trainer ranks and inference ranks (rank -> device)."""
+def select_backend(requested: str, trainer: Mapping[int, str], inference: Mapping[int, str],
+                   trainer_gpus: Mapping[int, str] | None = None, inference_gpus: Mapping[int, str] | None = None) -> str:
+    """The backend for a session between trainer ranks and inference ranks (rank -> device; rank ->
+    GPU UUID, where known: without them GPUs are taken as distinct)."""
     if requested not in BACKENDS:
         raise BackendError(f"unknown backend {requested!r}; valid backends: {', '.join(BACKENDS)}")
     kinds = {device_kind(d) for d in (*trainer.values(), *inference.values())}
@@ -75,11 +107,39 @@ def select_backend(requested: str, trainer: Mapping[int, str], inference: Mappin
         raise BackendError(f"mixed CPU/GPU session refused: {where('cpu')} hold CPU buffers while {where('cuda')} hold "
                            "CUDA buffers; put every worker's buffers on CUDA (nccl) or every one on CPU (gloo)")
     gpu = kinds == {"cuda"}
+    colocated = gpu and _colocated(trainer_gpus or {}, inference_gpus or {}, len(trainer), len(inference))
     if requested == "auto":
-        return "nccl" if gpu else "gloo"
+        return ("ipc" if colocated else "nccl") if gpu else "gloo"
+    if requested == "ipc" and not colocated:
+        raise BackendError("--backend ipc needs every trainer and inference worker's buffers on one GPU (the same device "
+                           "UUID); " + ("they are not" if gpu else f"{where('cpu')} hold CPU buffers") + "; use --backend auto")
+    if requested == "nccl" and colocated:
+        raise BackendError("--backend nccl cannot run here: every worker is on one GPU, and NCCL cannot hold two ranks "
+                           "of one GPU in a communicator; use --backend auto (CUDA IPC)")
     if requested == "nccl" and not gpu:
         raise BackendError(f"--backend nccl needs CUDA buffers, but {where('cpu')} hold CPU buffers; use --backend gloo or auto")
     if requested == "gloo" and gpu:
         raise BackendError(f"--backend gloo moves CPU buffers, but every worker's buffers are on CUDA ({where('cuda')}); "
                            "use --backend nccl or auto")
     return requested
+
+
+def _colocated(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str], n_trainer: int, n_inference: int) -> bool:
+    """Whether every worker is on one GPU. Some ranks sharing a GPU while others are elsewhere is
+    refused: NCCL cannot hold two ranks of one GPU, and IPC reaches only the same GPU."""
+    known = [u for u in (*trainer_gpus.values(), *inference_gpus.values()) if u]
+    if len(known) < n_trainer + n_inference:
+        return False  # a worker that does not say (an older one): GPUs taken as distinct
+    if len(set(known)) == 1:
+        return True
+    shared: dict[str, list[str]] = {}
+    for side, gpus in (("trainer", trainer_gpus), ("inference", inference_gpus)):
+        for r, u in sorted(gpus.items()):
+            shared.setdefault(u, []).append(f"{side} rank {r}")
+    both = {u: who for u, who in shared.items() if len(who) > 1}
+    if both:
+        u, who = next(iter(both.items()))
+        raise BackendError(f"{' and '.join(who)} share GPU {u} while other workers are on other GPUs: NCCL cannot hold "
+                           "two ranks of one GPU, and a session mixing CUDA IPC and NCCL is not supported yet; put every "
+                           "worker on one GPU, or each on its own")
+    return False

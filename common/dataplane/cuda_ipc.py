@@ -13,17 +13,37 @@ see the same device (same CUDA_VISIBLE_DEVICES mapping, or device UUIDs compared
 caller). Handles of the caching allocator are per allocation: exporting a slice of a
 larger block maps the whole block once (torch caches opened handles).
 
-Status: exercised only by `make gpu-check` (two processes on one GPU, weights verified);
-not yet a session backend that the update lifecycle picks on its own.
+In the update lifecycle (`IpcTransport`, backend "ipc"): chosen when every trainer and
+inference worker holds its buffers on one GPU (matched by device UUID, not by index:
+CUDA_VISIBLE_DEVICES differs between processes). Each source rank puts the handles of its
+buffers in the session's rendezvous store (on the trainer controller, under the session's
+secret), computes its checksums per destination piece from the buffers themselves, and
+waits until every destination rank it feeds says it is done reading; each destination
+rank maps its sources' buffers, copies its pieces (`run_plan_from_peers`), sums what
+landed, drops the mappings and says so. Plans of such sessions have no relays. Every wait
+polls the store against the update's deadline and fails at once on an abort.
+
+Status: `make gpu-check` runs two processes on one GPU and a full update through the
+services with both sides on the GPU; neither has run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
+from reshard.common.dataplane.checksum import P, box_checksum_tensor
+from reshard.common.dataplane.transport import Transport, TransportError, Work
+from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan
+
+log = logging.getLogger("reshard.ipc")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,12 +92,13 @@ def export_tensor(t: torch.Tensor, name: str = "") -> IpcHandle:
                      dtype=str(dtype).removeprefix("torch."), shape=tuple(size), stride=tuple(stride), offset=offset)
 
 
-def import_tensor(h: IpcHandle) -> torch.Tensor:
-    """The exporter's tensor, mapped into this process (a view of its memory, not a copy)."""
+def import_tensor(h: IpcHandle, device: int | None = None) -> torch.Tensor:
+    """The exporter's tensor, mapped into this process (a view of its memory, not a copy). `device`:
+    this process's index of the exporter's GPU (matched by UUID), when its numbering may differ."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(torch.Tensor, torch.Size(h.shape), tuple(h.stride), h.offset, torch.UntypedStorage,
-                               getattr(torch, h.dtype), h.device, h.handle, h.storage_bytes, h.storage_offset, False,
+                               getattr(torch, h.dtype), h.device if device is None else device, h.handle, h.storage_bytes, h.storage_offset, False,
                                h.ref_counter_handle or None, h.ref_counter_offset, h.event_handle or None,
                                h.event_sync_required)
 
@@ -89,10 +110,10 @@ def export_buffers(buffers: dict[str, torch.Tensor]) -> bytes:
     return wpb.CudaIpcHandles(handles=[export_tensor(t, n).to_proto() for n, t in buffers.items()]).SerializeToString()
 
 
-def import_buffers(data: bytes) -> dict[str, torch.Tensor]:
+def import_buffers(data: bytes, device: int | None = None) -> dict[str, torch.Tensor]:
     from reshard.proto import worker_pb2 as wpb
 
-    return {h.name: import_tensor(IpcHandle.from_proto(h)) for h in wpb.CudaIpcHandles.FromString(data).handles}
+    return {h.name: import_tensor(IpcHandle.from_proto(h), device) for h in wpb.CudaIpcHandles.FromString(data).handles}
 
 
 def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, torch.Tensor]],
@@ -113,3 +134,138 @@ def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, 
             nbytes += seg.nbytes
     stream.synchronize()
     return nbytes
+
+
+class IpcTransport(Transport):
+    """A session whose ranks share one GPU: no messages, only handles and completion marks
+    through the session's rendezvous store (see the module doc). `send`/`recv` are refused."""
+
+    name = "ipc"
+
+    @classmethod
+    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
+                    on_connecting: Callable[[Transport], None] | None = None) -> "IpcTransport":
+        return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s, device=device,
+                   key=session.key, on_connecting=on_connecting)
+
+    def __init__(self, store_host: str, store_port: int, session: str, rank: int, world: int, timeout_s: float, *,
+                 device: str = "cpu", key: str = "", on_connecting: Callable[[Transport], None] | None = None) -> None:
+        from torch.distributed import PrefixStore, TCPStore
+
+        if not str(device).startswith("cuda"):
+            raise TransportError(f"session {session} uses CUDA IPC, but rank {rank}'s buffers are on {device}")
+        self.rank, self.world, self.session, self.device = rank, world, session, torch.device(device)
+        self._lock = threading.Lock()
+        if on_connecting is not None:
+            on_connecting(self)
+            if self.aborted:
+                raise TransportError(self.aborted)
+        try:  # the store is the controller's: reached at once, or not at all
+            store = TCPStore(store_host, store_port, world_size=None, is_master=False,
+                             timeout=datetime.timedelta(seconds=max(1.0, timeout_s)), wait_for_workers=False)
+        except RuntimeError as e:
+            raise TransportError(f"CUDA IPC session {session} (rank {rank}): the rendezvous store at "
+                                 f"{store_host}:{store_port} is unreachable: {str(e).splitlines()[0]}") from None
+        self._store = PrefixStore(f"reshard/{key or session}/ipc", store)
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            self.aborted = self.aborted or reason
+
+    def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
+        raise TransportError("a CUDA IPC session moves no messages: its destination ranks read the sources' buffers")
+
+    recv = send
+
+    def close(self) -> None:
+        self._store = None
+
+    # -- the session's steps -----------------------------------------------------------------
+    def _usable(self) -> None:
+        if self.aborted:
+            raise TransportError(self.aborted)
+        if self._store is None:
+            raise TransportError(f"CUDA IPC session {self.session} is closed")
+
+    def put(self, key: str, value: bytes) -> None:
+        self._usable()
+        self._store.set(key, value)
+
+    def wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
+        """Until every key is in the store: fails at the deadline or at once on an abort."""
+        delay = 0.001
+        while True:
+            self._usable()
+            if not keys or self._store.check(keys):
+                return
+            if time.monotonic() >= deadline:
+                raise TransportError(f"CUDA IPC session {self.session}, rank {self.rank}: {what}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def get(self, key: str) -> bytes:
+        self._usable()
+        return bytes(self._store.get(key))
+
+
+def source_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]):
+    """A source rank's sums per destination piece of what its destinations will read (each segment
+    as the destination holds it: cast to its dtype), computed on the buffers' device, read once."""
+    acc: dict[tuple[int, str, int], torch.Tensor] = {}
+    for m in plan.sends.get(rank, []):
+        for seg in m.segments:
+            view = seg.src.view(buffers[seg.src.buffer], seg.box.size)
+            if view.dtype != dtype_of(seg.dst_dtype):
+                view = view.to(dtype_of(seg.dst_dtype))
+            c = box_checksum_tensor(view, seg.box.offset, shapes[seg.tensor])
+            key = (m.dst, seg.dst_buffer, seg.dst_piece)
+            acc[key] = acc[key] + c if key in acc else c
+    return _read(acc)
+
+
+def _read(acc: dict) -> dict:
+    """Sums queued on the device, read back in one copy."""
+    keys = list(acc)
+    values = torch.stack([acc[k] for k in keys]).tolist() if keys else []
+    return {k: v % P for k, v in zip(keys, values)}
+
+
+def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
+            shapes: dict[str, tuple[int, ...]], dst: Layout, deadline: float,
+            progress: Callable[[int, int], None] | None = None):
+    """One rank's share of an update in a CUDA IPC session: (checksums, bytes, checksum seconds)."""
+    if side == "src":
+        total = plan.send_bytes(rank)
+        t.put(f"{update_id}/handles/{rank}", export_buffers(buffers))
+        t0 = time.perf_counter()
+        sums = source_checksums(plan, rank, buffers, shapes)
+        csum = time.perf_counter() - t0
+        readers = sorted({m.dst for m in plan.sends.get(rank, [])})
+        # The buffers stay as they are until every destination rank that reads them is done.
+        t.wait_keys([f"{update_id}/read/{d}" for d in readers], deadline,
+                    f"destination ranks {readers} did not finish reading this rank's buffers in time")
+        if progress:
+            progress(total, total)
+        return sums, total, csum
+    sources = sorted({m.src for m in plan.recvs.get(rank, [])})
+    t.wait_keys([f"{update_id}/handles/{s}" for s in sources], deadline,
+                f"source ranks {sources} did not publish their buffers' handles in time")
+    # Every rank of the session is on this GPU (matched by UUID): map on this process's index of it.
+    mapped = {s: import_buffers(t.get(f"{update_id}/handles/{s}"), t.device.index) for s in sources}
+    try:
+        with torch.cuda.device(t.device):
+            nbytes = run_plan_from_peers(plan, rank, mapped, buffers)
+    finally:
+        mapped.clear()  # the mappings go before the sources may change
+    t0 = time.perf_counter()
+    pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
+    acc = {}
+    for bname, i in sorted(plan.expected_pieces(rank)):  # what landed, read where it landed
+        piece = pieces[(bname, i)]
+        acc[(rank, bname, i)] = box_checksum_tensor(piece.view(buffers[bname]), piece.box.offset, shapes[piece.tensor])
+    sums = _read(acc)
+    csum = time.perf_counter() - t0
+    t.put(f"{update_id}/read/{rank}", b"1")
+    if progress:
+        progress(nbytes, nbytes)
+    return sums, nbytes, csum

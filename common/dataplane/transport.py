@@ -283,7 +283,8 @@ class GlooTransport(Transport):
 
 
 TRANSPORTS = {"gloo": GlooTransport}
-_LAZY = {"nccl": ("reshard.common.dataplane.nccl_transport", "NcclTransport")}  # imported when first asked for
+_LAZY = {"nccl": ("reshard.common.dataplane.nccl_transport", "NcclTransport"),  # imported when first asked for
+         "ipc": ("reshard.common.dataplane.cuda_ipc", "IpcTransport")}
 
 
 def transport_class(name: str) -> type[Transport]:

@@ -176,3 +176,24 @@ def test_device_checksum_equals_the_host_path(dtype):
     for off, size in (((0, 0), (257, 513)), ((3, 7), (250, 499)), ((256, 1), (1, 511))):
         view = full[off[0]:off[0] + size[0], off[1]:off[1] + size[1]]
         assert box_checksum_torch(view, off, full.shape) == box_checksum(view.cpu(), off, full.shape)
+
+
+def test_colocated_update_through_the_services_uses_cuda_ipc():
+    """Trainer and inference workers all on this GPU: the backend is CUDA IPC, the update commits
+    verified, and what inference holds equals the step's weights, read back through Dump."""
+    from reshard.common.models.presets import model_config
+    from tests.integration.cluster import Cluster
+
+    c = Cluster("tiny", inference_workers=2, trainer_workers=2, trainer_args=("--device", "cuda"),
+                inference_args=("--device", "cuda"))
+    try:
+        code, out, err = c.update()
+        assert code == 0 and out and out["ok"], err
+        st = c.status("trainer")
+        assert [d["backend"] for d in st["deployments"]] == ["ipc"] and st["history"][-1]["verified"]
+        step = int(out["committed"]["step"])
+        for name in model_config("tiny").tensors():
+            got, version = c.dump(name)
+            assert torch.equal(got, c.expected(name, step)), name
+    finally:
+        c.close()

@@ -290,8 +290,112 @@ def test_mixed_session_refused_naming_ranks():
             select_backend(forced, {0: "cuda:0"}, {0: "cpu"})
 
 
+def test_backend_ipc_when_every_worker_is_on_one_gpu():
+    """Colocation is matched by GPU UUID, not by index (each process numbers its GPUs its own way)."""
+    one = {"t": {0: "cuda:0", 1: "cuda:0"}, "i": {0: "cuda:1", 1: "cuda:0"}}
+    same = ({0: "GPU-a", 1: "GPU-a"}, {0: "GPU-a", 1: "GPU-a"})
+    assert select_backend("auto", one["t"], one["i"], *same) == "ipc"
+    assert select_backend("ipc", one["t"], one["i"], *same) == "ipc"
+    apart = ({0: "GPU-a", 1: "GPU-b"}, {0: "GPU-c", 1: "GPU-d"})
+    assert select_backend("auto", one["t"], one["i"], *apart) == "nccl"
+    assert select_backend("auto", one["t"], one["i"], same[0], {0: "GPU-a", 1: ""}) == "nccl"  # one does not say
+    assert select_backend("auto", one["t"], one["i"]) == "nccl"  # older controllers: no UUIDs at all
+    with pytest.raises(BackendError, match=r"trainer rank 0 and inference rank 1 share GPU GPU-a while other workers"):
+        select_backend("auto", one["t"], one["i"], {0: "GPU-a", 1: "GPU-b"}, {0: "GPU-c", 1: "GPU-a"})
+    with pytest.raises(BackendError, match="--backend ipc needs every trainer and inference worker's buffers on one GPU"):
+        select_backend("ipc", one["t"], one["i"], *apart)
+    with pytest.raises(BackendError, match="--backend ipc needs .* hold CPU buffers"):
+        select_backend("ipc", {0: "cpu"}, {0: "cpu"})
+    with pytest.raises(BackendError, match="NCCL cannot hold two ranks of one GPU"):
+        select_backend("nccl", one["t"], one["i"], *same)
+
+
+def test_ipc_sessions_plan_without_relays():
+    from reshard.common.dataplane.backend import plan_options
+
+    assert plan_options(0, "ipc").relay is False and plan_options(4096, "ipc").bucket_bytes == 4096
+    assert plan_options(0, "nccl").relay is True and plan_options(0, "gloo") == plan_options(0, "nccl")
+
+
+def test_ipc_session_waits_end_at_the_deadline_or_an_abort():
+    """The session's steps go through the controller's rendezvous store; a rank whose peer never
+    posts fails at the deadline, and at once when the update is aborted from another thread."""
+    import threading
+
+    from reshard.common.dataplane.cuda_ipc import IpcTransport
+    from reshard.common.dataplane.transport import serve_store
+
+    store, sock = serve_store("127.0.0.1", 10.0)
+    port = sock.getsockname()[1]
+    with pytest.raises(TransportError, match="uses CUDA IPC, but rank 0's buffers are on cpu"):
+        IpcTransport("127.0.0.1", port, "s", 0, 2, 5.0, device="cpu", key="k")
+    a = IpcTransport("127.0.0.1", port, "s", 0, 2, 5.0, device="cuda:0", key="k")  # no CUDA call until data moves
+    b = IpcTransport("127.0.0.1", port, "s", 1, 2, 5.0, device="cuda:0", key="k")
+    a.put("u/handles/0", b"h0")
+    b.wait_keys(["u/handles/0"], time.monotonic() + 5, "never")
+    assert b.get("u/handles/0") == b"h0"
+    other = IpcTransport("127.0.0.1", port, "s", 1, 2, 5.0, device="cuda:0", key="another")
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="destination ranks \\[1\\] did not finish"):
+        other.wait_keys(["u/handles/0"], time.monotonic() + 0.3, "destination ranks [1] did not finish")  # other secret
+    assert time.monotonic() - t0 < 2
+    threading.Timer(0.2, a.abort, ("update u aborted",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="update u aborted"):
+        a.wait_keys(["u/read/1"], time.monotonic() + 30, "never")
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(TransportError, match="moves no messages"):
+        b.send(torch.zeros(1, dtype=torch.uint8), 0, 0)
+    for t in (a, b, other):
+        t.close()
+    sock.close()
+
+
+def test_ipc_source_checksums_match_what_lands():
+    """A source rank's sums from its own buffers (what an IPC destination reads) add up, piece by
+    piece, to the receivers' sums of what landed: computed apart, on the same bytes."""
+    from reshard.common.dataplane.backend import plan_options
+    from reshard.common.dataplane.checksum import P
+    from reshard.common.dataplane.cuda_ipc import source_checksums
+    from reshard.common.dataplane.engine import execute_in_memory, receiver_checksums
+    from reshard.common.layout.core import dtype_of
+    from reshard.common.models.frameworks import build
+    from reshard.common.plan.planner import make_plan
+    from reshard.tools.synth import init_box
+
+    src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=2")
+    plan = make_plan(src, dst, plan_options(0, "ipc"))
+    shapes = {n: t.shape for n, t in src.tensors.items()}
+
+    def buffers(lay, rank, fill):
+        out = {}
+        for b in lay.ranks[rank]:
+            out[b.name] = torch.zeros(b.shape, dtype=dtype_of(b.dtype))
+            for p in b.pieces if fill else ():
+                init_box(p.view(out[b.name]), 5, p.tensor, p.box.offset, shapes[p.tensor])
+        return out
+
+    sb = [buffers(src, r, True) for r in range(src.world)]
+    db = [buffers(dst, r, False) for r in range(dst.world)]
+    execute_in_memory(plan, sb, db)
+    sent: dict = {}
+    for r in range(src.world):
+        for k, v in source_checksums(plan, r, sb[r], shapes).items():
+            sent[k] = (sent.get(k, 0) + v) % P
+    landed = {}
+    for r in range(dst.world):
+        pieces = {(b.name, i): p for b in dst.ranks[r] for i, p in enumerate(b.pieces)}
+        landed.update(receiver_checksums(plan, r, db[r], pieces, shapes))
+    assert sent == landed and len(sent) > 10
+    before = source_checksums(plan, 1, sb[1], shapes)
+    name = next(b.name for b in src.ranks[1] if b.pieces)
+    sb[1][name].view(-1)[3] += 1  # a changed source element changes its piece's sum
+    after = source_checksums(plan, 1, sb[1], shapes)
+    assert after.keys() == before.keys() and sum(after[k] != before[k] for k in after) == 2  # both DP replicas read it
+
+
 def test_backend_bad_names_and_devices():
-    with pytest.raises(BackendError, match="valid backends: auto, gloo, nccl"):
+    with pytest.raises(BackendError, match="valid backends: auto, gloo, nccl, ipc"):
         select_backend("mpi", {}, {})
     with pytest.raises(BackendError, match="meta"):
         select_backend("auto", {0: "meta"}, {0: "cpu"})
@@ -306,7 +410,7 @@ def test_buffers_device():
 
 def test_transport_registry_knows_nccl():
     assert transport_class("nccl") is NcclTransport
-    with pytest.raises(ValueError, match="valid transports: gloo, nccl"):
+    with pytest.raises(ValueError, match="valid transports: gloo, ipc, nccl"):
         transport_class("mpi")
 
 
