@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 VLLM ?= auto
 
-.PHONY: demo test test-all test-slow venv proto clean gpu-check
+.PHONY: demo test test-all test-slow venv proto clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,15 @@ test-all: $(STAMP)
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py --out out/gpu-check.json
+
+# For a GPU machine that cannot reach a package index (Python 3.12, x86-64): the wheels of this
+# environment's grpcio and protobuf (the generated code needs this protobuf), saved in .whl/. There:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site make gpu-check
+GPU_WHEEL_PYTHON ?= 3.12
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(PY) -m pip list --format=freeze | grep -iE '^(grpcio|protobuf)==')
 
 proto: $(STAMP)
 	$(PY) -m reshard.proto.generate
