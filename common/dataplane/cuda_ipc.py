@@ -29,6 +29,7 @@ services with both sides on the GPU; neither has run on a GPU yet.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -123,7 +124,6 @@ def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, 
     Returns the bytes written. Every source is mapped, so plan without relays
     (`PlanOptions(relay=False)`): a relay would read another destination rank."""
     nbytes = 0
-    stream = torch.cuda.current_stream()
     for m in sorted(plan.recvs.get(rank, []), key=lambda m: m.round):
         if m.relay:
             raise ValueError("CUDA IPC reads every source directly: make the plan with PlanOptions(relay=False)")
@@ -132,7 +132,8 @@ def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, 
             seg.dst.view(dst_buffers[seg.dst.buffer], seg.box.size).copy_(seg.src.view(bufs[seg.src.buffer], seg.box.size),
                                                                           non_blocking=True)
             nbytes += seg.nbytes
-    stream.synchronize()
+    if any(t.is_cuda for t in dst_buffers.values()):
+        torch.cuda.current_stream().synchronize()  # landed before anyone reads or sums it
     return nbytes
 
 
@@ -253,7 +254,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
     # Every rank of the session is on this GPU (matched by UUID): map on this process's index of it.
     mapped = {s: import_buffers(t.get(f"{update_id}/handles/{s}"), t.device.index) for s in sources}
     try:
-        with torch.cuda.device(t.device):
+        with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
             nbytes = run_plan_from_peers(plan, rank, mapped, buffers)
     finally:
         mapped.clear()  # the mappings go before the sources may change
