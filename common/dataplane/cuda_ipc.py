@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -43,8 +42,6 @@ from reshard.common.dataplane.checksum import P, box_checksum_tensor
 from reshard.common.dataplane.transport import Transport, TransportError, Work
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan
-
-log = logging.getLogger("reshard.ipc")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
