@@ -125,8 +125,9 @@ def test_outcome_belongs_to_its_deployment_when_one_is_detached_during_the_updat
         cli("attach", "--trainer", c.tr, "--inference", b, check=True)
         upd = subprocess.Popen([sys.executable, "-m", "reshard.cli", "update", "--trainer", c.tr, "--wait", "--timeout", "60"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_status(c.tr, "trainer", lambda s: any(d["address"] == c.inf and d["phase"] == "TRANSFER" for d in s["deployments"]),
-                    what="A receiving")
+        # A's own phase: its rank 0 stalls 3 s in the transfer, while the trainer's ranks (done sending)
+        # wait in VERIFY.
+        c.wait_for(lambda s: s.get("progress", {}).get("phase") == "TRANSFER", what="A receiving")
         cli("detach", "--trainer", c.tr, "--inference", c.inf, check=True)
         out, err = upd.communicate(timeout=90)
         assert upd.returncode == 1, (upd.returncode, out, err, c.logs())
