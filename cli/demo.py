@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from reshard.common.control.supervisor import stop_processes
 from reshard.common.models.presets import model_config
 
 
@@ -130,14 +131,7 @@ def run_demo(a) -> int:
             print_table(results)
         return 0 if results["verified"] else 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def print_table(r: dict) -> None:

@@ -331,6 +331,7 @@ def section_colocated(dev) -> dict:
 
     import grpc
 
+    from reshard.common.control.supervisor import stop_processes
     from reshard.common.layout.core import dtype_of
     from reshard.common.models.presets import model_config
     from reshard.proto import reshard_pb2 as pb
@@ -392,14 +393,7 @@ def section_colocated(dev) -> dict:
                    ok=all(u.get("ok") for u in updates) and out["backend"] == ["ipc"] and out["verified"] and not bad)
         return out
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 20)
 
 
 def run_tests() -> dict:

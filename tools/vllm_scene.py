@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from reshard.common.control.supervisor import stop_processes
+
 BACKEND = "reshard-gather-load"
 BUCKET_BYTES = 256 << 20
 PROMPTS = [[1, 17, 33, 250, 999, 4], [1, 500, 2, 3, 77, 12, 900]]
@@ -305,10 +307,4 @@ def run(a) -> int:
         return 0 if ok else 1
     finally:
         trainers.close()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)

@@ -136,6 +136,21 @@ def recorded_worker_token(path: str) -> str:
     return token if isinstance(token, str) else ""
 
 
+def stop_processes(procs: list, grace: float = 15.0) -> None:
+    """SIGTERM each `subprocess.Popen` still running, then SIGKILL any that outlives `grace` seconds."""
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def module_command(module: str) -> list[str]:
     """`python -m module` that never imports from the working directory: a folder named like
     our package there (a checkout's root, say) must not shadow the installed package."""

@@ -141,5 +141,12 @@ def box_checksum_tensor(values: torch.Tensor, offset: tuple[int, ...], shape: tu
     return prod.sum() & _MASK
 
 
+def read_sums(queued: dict) -> dict:
+    """Sums queued on a device (`box_checksum_tensor`), by key, read back in one copy (mod P)."""
+    keys = list(queued)
+    values = torch.stack([queued[k] for k in keys]).tolist() if keys else []
+    return {k: v % P for k, v in zip(keys, values)}
+
+
 def combine(*parts: int) -> int:
     return sum(parts) % P

@@ -38,7 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from reshard.common.dataplane.checksum import P, box_checksum_tensor
+from reshard.common.dataplane.checksum import box_checksum_tensor, read_sums
+from reshard.common.dataplane.engine import receiver_checksums
 from reshard.common.dataplane.transport import Transport, TransportError, Work
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan
@@ -218,14 +219,7 @@ def source_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], sh
             c = box_checksum_tensor(view, seg.box.offset, shapes[seg.tensor])
             key = (m.dst, seg.dst_buffer, seg.dst_piece)
             acc[key] = acc[key] + c if key in acc else c
-    return _read(acc)
-
-
-def _read(acc: dict) -> dict:
-    """Sums queued on the device, read back in one copy."""
-    keys = list(acc)
-    values = torch.stack([acc[k] for k in keys]).tolist() if keys else []
-    return {k: v % P for k, v in zip(keys, values)}
+    return read_sums(acc)
 
 
 def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
@@ -257,11 +251,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
         mapped.clear()  # the mappings go before the sources may change
     t0 = time.perf_counter()
     pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
-    acc = {}
-    for bname, i in sorted(plan.expected_pieces(rank)):  # what landed, read where it landed
-        piece = pieces[(bname, i)]
-        acc[(rank, bname, i)] = box_checksum_tensor(piece.view(buffers[bname]), piece.box.offset, shapes[piece.tensor])
-    sums = _read(acc)
+    sums = receiver_checksums(plan, rank, buffers, pieces, shapes)  # what landed, read where it landed
     csum = time.perf_counter() - t0
     t.put(f"{update_id}/read/{rank}", b"1")
     if progress:

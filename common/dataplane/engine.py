@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor
+from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor, read_sums
 from reshard.common.dataplane.transport import Transport, TransportError, Work
 from reshard.common.layout.core import dtype_of
 from reshard.common.plan.planner import Message, Plan, Segment, Side
@@ -159,8 +159,7 @@ class Engine:
     def _read_sums(self) -> None:
         if self._queued_sums:
             t0 = time.perf_counter()
-            keys = list(self._queued_sums)
-            for key, c in zip(keys, torch.stack([self._queued_sums[k] for k in keys]).tolist()):
+            for key, c in read_sums(self._queued_sums).items():
                 self.checksums[key] = (self.checksums[key] + c) % P
             self._queued_sums.clear()
             self.checksum_seconds += time.perf_counter() - t0
@@ -274,9 +273,15 @@ class Engine:
 
 
 def receiver_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], layout_pieces, shapes) -> dict[PieceKey, int]:
-    """Checksum every destination piece this rank receives in `plan`, from what it holds now."""
+    """Checksum every destination piece this rank receives in `plan`, from what it holds now (on a
+    GPU, queued there and read back once)."""
     out: dict[PieceKey, int] = {}
+    queued: dict[PieceKey, torch.Tensor] = {}
     for (bname, pi) in sorted(plan.expected_pieces(rank)):
         piece = layout_pieces[(bname, pi)]
-        out[(rank, bname, pi)] = box_checksum(piece.view(buffers[bname]), piece.box.offset, shapes[piece.tensor])
-    return out
+        view = piece.view(buffers[bname])
+        if view.device.type == "cpu":
+            out[(rank, bname, pi)] = box_checksum(view, piece.box.offset, shapes[piece.tensor])
+        else:
+            queued[(rank, bname, pi)] = box_checksum_tensor(view, piece.box.offset, shapes[piece.tensor])
+    return {**out, **read_sums(queued)}

@@ -1142,6 +1142,7 @@ def test_ipc_session_steps_move_every_piece_and_sum_alike(monkeypatch):
 
     from reshard.common.dataplane import cuda_ipc
     from reshard.common.dataplane.backend import plan_options
+    from reshard.common.dataplane.checksum import P
     from reshard.common.dataplane.transport import serve_store
     from reshard.common.layout.core import dtype_of
     from reshard.common.models.frameworks import build
@@ -1194,7 +1195,7 @@ def test_ipc_session_steps_move_every_piece_and_sum_alike(monkeypatch):
     sent: dict = {}
     for r in range(S):
         for k, v in results[("src", r)][0].items():
-            sent[k] = (sent.get(k, 0) + v) % cuda_ipc.P
+            sent[k] = (sent.get(k, 0) + v) % P
     landed = {k: v for r in range(dst.world) for k, v in results[("dst", r)][0].items()}
     assert sent == landed and landed
     for side, r, bufs in ranks[S:]:
