@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,7 +20,27 @@ from reshard.tools.synth import tensor_value
 CHECKPOINT_STEP = 0
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range: a service binds it seconds later (after its
+    imports), and meanwhile the test's own outbound connections (workers retrying their controller)
+    take ephemeral ports, which could be this one."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
