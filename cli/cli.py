@@ -12,6 +12,7 @@ import grpc
 
 from reshard.common.control.rpc import Deadlines, channel, parse_address, status_error
 from reshard.common.control.security import FLAG_ENV, Security, SecurityError, current
+from reshard.common.dataplane.backend import BACKENDS
 from reshard.common.models.presets import MODELS
 
 DEFAULT_MODEL = "llama-1g"
@@ -162,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-dtype", default="", choices=["", "float32", "bfloat16", "float16"],
                    help="standalone workers hold the weights in this dtype (e.g. float32 masters); a declared cast "
                         "to the inference dtype, done on the sender")
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl", "ipc"], default="auto",
-                   help="data plane (auto): ipc (CUDA IPC) when every worker's buffers are on one GPU, nccl when on "
-                        "CUDA otherwise, gloo when on CPU; or forced")
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto",
+                   help="data plane (auto): ipc (CUDA IPC) when every worker's buffers are on one GPU, hybrid (NCCL "
+                        "between GPUs, CUDA IPC within one) when some share a GPU, nccl when each has its own, gloo "
+                        "when on CPU; or forced")
     p.add_argument("--transfer-method", default="reshard",
                    help="how every update moves: reshard (default), or a method a measurement tool plugs in "
                         "(serialized: the serialized baseline `reshard demo` compares against)")

@@ -19,6 +19,10 @@ first). Sections, each timed and each failing on its own (its error goes into th
 - colocated: a full update through both services with every trainer and inference worker on
   this GPU: the backend picks CUDA IPC, two updates commit verified, and every tensor read
   back through the Dump RPC equals the synthetic weights of its step, bit for bit;
+- hybrid_one_gpu: the same with one trainer and one inference worker and `--backend hybrid`:
+  the trainer rank hosts the GPU (alone in an NCCL communicator) and writes the inference
+  rank's pieces through IPC mappings (one GPU cannot show NCCL between GPUs: tests/gpu has a
+  two-GPU test that skips here);
 - memory: NCCL's connection buffers (init, first round, steady), staging, shadow, snapshot.
 
 Meant to finish in well under 5 minutes on one H200.
@@ -324,9 +328,11 @@ def section_memory(dev, nccl_self: dict | None) -> dict:
     return out
 
 
-def section_colocated(dev) -> dict:
-    """trainer_svc (2 workers) and inference_svc (2 workers), every worker on this GPU (CUDA IPC),
-    driven through the CLI; read back through the Dump RPC against the synthetic weights."""
+def section_colocated(dev, workers: int = 2, backend: str = "auto", expect: str = "ipc") -> dict:
+    """trainer_svc and inference_svc (`workers` each), every worker on this GPU, driven through the
+    CLI; read back through the Dump RPC against the synthetic weights. With 2 + 2 and backend auto:
+    CUDA IPC. With 1 + 1 and backend hybrid: a hybrid session's host (the trainer rank, alone in an
+    NCCL communicator) writes its guest's (the inference rank's) pieces through IPC mappings."""
     import socket
 
     import grpc
@@ -348,11 +354,13 @@ def section_colocated(dev) -> dict:
     env = dict(os.environ)  # PYTHONPATH reaches this checkout's reshard (scripts/gpu_check.py), as for the workers
     cmd = [sys.executable, "-m", "reshard.cli"]
     common = ["--model", model, "--device", "cuda", "--update-timeout", "120", "--seed", str(seed)]
-    procs = [subprocess.Popen(cmd + ["inference", "--listen", inf, "--workers", "2", *common], env=env,
+    n = str(workers)
+    procs = [subprocess.Popen(cmd + ["inference", "--listen", inf, "--workers", n, *common], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-             subprocess.Popen(cmd + ["trainer", "--listen", tr, "--workers", "2", "--inference", inf, "--run", "colo", *common],
+             subprocess.Popen(cmd + ["trainer", "--listen", tr, "--workers", n, "--inference", inf, "--run", "colo",
+                                     "--backend", backend, *common],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
-    out: dict = {"model": model, "workers": "trainer 2 + inference 2, all on " + str(dev)}
+    out: dict = {"model": model, "workers": f"trainer {n} + inference {n}, all on {dev}", "backend_flag": backend}
     try:
         def status(flag: str, addr: str) -> dict:
             r = subprocess.run(cmd + ["status", flag, addr, "--json"], env=env, capture_output=True, text=True, timeout=60)
@@ -390,7 +398,7 @@ def section_colocated(dev) -> dict:
                 if not torch.equal(got, tensor_value(seed, name, step, spec.shape, dtype_of(first.dtype))):
                     bad.append(name)
         out.update(step=step, tensors_checked=checked, tensors_wrong=bad[:10],
-                   ok=all(u.get("ok") for u in updates) and out["backend"] == ["ipc"] and out["verified"] and not bad)
+                   ok=all(u.get("ok") for u in updates) and out["backend"] == [expect] and out["verified"] and not bad)
         return out
     finally:
         stop_processes(procs, 20)
@@ -441,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     run("abort", section_abort, dev)
     run("ipc", section_ipc, dev)
     run("colocated", section_colocated, dev)
+    run("hybrid_one_gpu", section_colocated, dev, 1, "hybrid", "hybrid")
     run("memory", section_memory, dev, report["nccl_self"] if "error" not in report["nccl_self"] else None)
     report["seconds"] = round(time.monotonic() - t_all, 1)
     failed = [k for k, v in report.items() if isinstance(v, dict) and ("error" in v or v.get("ok") is False

@@ -246,7 +246,7 @@ class LayoutReply(_message.Message):
     def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id", "key")
+    __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id", "key", "device_uuids")
     ID_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class Session(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     store_host: str
     store_port: int
@@ -263,7 +264,8 @@ class Session(_message.Message):
     transport: str
     nccl_unique_id: bytes
     key: str
-    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ..., key: _Optional[str] = ...) -> None: ...
+    device_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ..., key: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
     __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "epoch", "allow_rollback", "src_fingerprint")

@@ -541,18 +541,20 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             faults.at_phase("trainer", "CONNECT", workers=self.hub)
             # Inference membership too: a worker restarted there must not be handed a session its
             # peers cached with the dead process.
-            key_of = (dst_fp, self._membership, src_fp, self.hub.generation, backend)
+            gpus = ([w.hello.device_uuid for w in self.hub.alive()] + list(self._gpus)
+                    if backend == "hybrid" else [])  # each session rank's GPU: hosts and guests follow from it
+            key_of = (dst_fp, self._membership, src_fp, self.hub.generation, backend, tuple(gpus))
             if d.session is None or d.session[1] != key_of:
                 sid, nccl_id = uuid.uuid4().hex[:12], b""
                 key = secrets.token_hex(16)  # the session's keys in the store live under it: never logged
-                if backend == "nccl":  # a fresh id per session (so per retry): trainer worker 0 hosts its root
+                if backend in ("nccl", "hybrid"):  # a fresh id per session (so per retry): trainer worker 0 hosts its root
                     rep = await self.hub.call(self.hub.workers[0], self.deadlines.rpc_s, nccl_unique_id=wpb.NcclUniqueId(session=sid))
                     nccl_id = rep.nccl_unique_id
                 d.session = (sid, key_of, nccl_id, key)
             d.backend = backend
             session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
                                  src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2],
-                                 key=d.session[3])
+                                 key=d.session[3], device_uuids=gpus)
             left = deadline - time.monotonic()
             begin = pb.BeginUpdateRequest(
                 update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=left, mode=mode,

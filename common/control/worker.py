@@ -27,6 +27,7 @@ from reshard.common.control.supervisor import CONTROLLER_PID_KEY
 from reshard.common.dataplane.backend import buffers_device, device_uuid, plan_options
 from reshard.common.dataplane.cuda_ipc import run_ipc
 from reshard.common.dataplane.engine import Engine, StagingPool
+from reshard.common.dataplane.hybrid import run_hybrid
 from reshard.common.dataplane.transport import Transport, TransportError, transport_class
 from reshard.common.layout.core import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
@@ -504,12 +505,15 @@ class WorkerBase:
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
+        if transport.name in ("ipc", "hybrid") and p.mode and p.mode != RESHARD:
+            raise TransportError(f"transfer method {p.mode!r} sends messages between every pair of ranks, and a "
+                                 f"{transport.name} session (workers sharing GPUs) has none between ranks on one GPU")
         if transport.name == "ipc":  # every rank on this GPU: destinations read the sources' buffers
-            if p.mode and p.mode != RESHARD:
-                raise TransportError(f"transfer method {p.mode!r} sends messages between ranks, and a CUDA IPC session "
-                                     "(every worker on one GPU) has none")
             connected()
             return run_ipc(transport, p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst, deadline, progress)
+        if transport.name == "hybrid":  # NCCL between GPUs; the host of a shared GPU writes its guest's pieces
+            return run_hybrid(transport, p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst, self._pool,
+                              deadline, connected=connected, progress=progress, hook=hook)
         if p.mode and p.mode != RESHARD:  # a tool's method (checked known at prepare)
             connected()
             return transfer_method(p.mode)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,

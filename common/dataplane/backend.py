@@ -1,10 +1,16 @@
-"""Which data-plane backend a session uses: CUDA IPC when every worker's buffers are on one
-GPU (the colocated case: matched by device UUID, since CUDA_VISIBLE_DEVICES may number it
-differently in each process), NCCL when they are on CUDA otherwise, gloo when every
-worker's are on CPU, or the one a flag forces. A session that mixes CPU and CUDA workers
-is refused before any byte moves, naming the ranks on each side, and so is one where some
-ranks share a GPU while others are elsewhere (NCCL cannot hold two ranks of one GPU, and a
-session mixing IPC and NCCL is not supported yet)."""
+"""Which data-plane backend a session uses, matching GPUs by device UUID (CUDA_VISIBLE_DEVICES
+may number one GPU differently in each process):
+
+- `ipc` when every worker's buffers are on one GPU (CUDA IPC, common/dataplane/cuda_ipc.py);
+- `hybrid` when some workers share a GPU and others are elsewhere, at most one trainer rank
+  and one inference rank per GPU (the colocated setup on several GPUs: NCCL between GPUs,
+  CUDA IPC within one, common/dataplane/hybrid.py);
+- `nccl` when each worker is on a GPU of its own;
+- `gloo` when every worker's buffers are on CPU;
+- or the one a flag forces, when it can work.
+
+A session that mixes CPU and CUDA workers is refused before any byte moves, naming the
+ranks on each side, and so is one with two ranks of one side on a GPU beside other GPUs."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where a device is read: a controller plans without it
     import torch
 
-BACKENDS = ("auto", "gloo", "nccl", "ipc")
+BACKENDS = ("auto", "gloo", "nccl", "ipc", "hybrid")
 
 
 class BackendError(ValueError):
@@ -70,12 +76,13 @@ def device_uuid(device: str) -> str:
 
 
 def plan_options(bucket_bytes: int, backend: str):
-    """The plan options of a session: every process plans alike from the same two values. A CUDA IPC
-    session plans without relays (its destination ranks read the sources' buffers themselves)."""
+    """The plan options of a session: every process plans alike from the same two values. CUDA IPC and
+    hybrid sessions plan without relays (a destination rank's pieces are read from, or written by, the
+    rank on its GPU)."""
     from reshard.common.plan.planner import PlanOptions
 
     opts = PlanOptions(bucket_bytes=bucket_bytes) if bucket_bytes else PlanOptions()
-    return dataclasses.replace(opts, relay=False) if backend == "ipc" else opts
+    return dataclasses.replace(opts, relay=False) if backend in ("ipc", "hybrid") else opts
 
 
 def device_kind(device: str) -> str:
@@ -107,39 +114,54 @@ def select_backend(requested: str, trainer: Mapping[int, str], inference: Mappin
         raise BackendError(f"mixed CPU/GPU session refused: {where('cpu')} hold CPU buffers while {where('cuda')} hold "
                            "CUDA buffers; put every worker's buffers on CUDA (nccl) or every one on CPU (gloo)")
     gpu = kinds == {"cuda"}
-    colocated = gpu and _colocated(trainer_gpus or {}, inference_gpus or {}, len(trainer), len(inference))
+    sharing = _sharing(trainer_gpus or {}, inference_gpus or {}, len(trainer), len(inference)) if gpu else "none"
     if requested == "auto":
-        return ("ipc" if colocated else "nccl") if gpu else "gloo"
-    if requested == "ipc" and not colocated:
+        return {"one": "ipc", "some": "hybrid"}.get(sharing, "nccl") if gpu else "gloo"
+    if requested == "ipc" and sharing != "one":
         raise BackendError("--backend ipc needs every trainer and inference worker's buffers on one GPU (the same device "
                            "UUID); " + ("they are not" if gpu else f"{where('cpu')} hold CPU buffers") + "; use --backend auto")
-    if requested == "nccl" and colocated:
-        raise BackendError("--backend nccl cannot run here: every worker is on one GPU, and NCCL cannot hold two ranks "
-                           "of one GPU in a communicator; use --backend auto (CUDA IPC)")
+    if requested == "nccl" and sharing in ("one", "some"):
+        raise BackendError("--backend nccl cannot run here: " + ("every worker is on one GPU" if sharing == "one" else
+                           "some workers share a GPU") + ", and NCCL cannot hold two ranks of one GPU in a communicator; "
+                           "use --backend auto (" + ("CUDA IPC" if sharing == "one" else "hybrid: NCCL between GPUs, CUDA IPC within one") + ")")
     if requested == "nccl" and not gpu:
         raise BackendError(f"--backend nccl needs CUDA buffers, but {where('cpu')} hold CPU buffers; use --backend gloo or auto")
+    if requested == "hybrid" and not gpu:
+        raise BackendError(f"--backend hybrid needs CUDA buffers, but {where('cpu')} hold CPU buffers; use --backend gloo or auto")
+    if requested == "hybrid" and sharing == "unknown":
+        raise BackendError("--backend hybrid needs every worker's GPU UUID, and some workers do not report one (an older "
+                           "reshard); use --backend auto")
+    if requested == "hybrid":
+        _one_per_side(trainer_gpus or {}, inference_gpus or {})
     if requested == "gloo" and gpu:
         raise BackendError(f"--backend gloo moves CPU buffers, but every worker's buffers are on CUDA ({where('cuda')}); "
                            "use --backend nccl or auto")
     return requested
 
 
-def _colocated(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str], n_trainer: int, n_inference: int) -> bool:
-    """Whether every worker is on one GPU. Some ranks sharing a GPU while others are elsewhere is
-    refused: NCCL cannot hold two ranks of one GPU, and IPC reaches only the same GPU."""
+def _sharing(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str], n_trainer: int, n_inference: int) -> str:
+    """How the workers share GPUs: 'one' (every worker on one GPU: CUDA IPC), 'some' (some share a
+    GPU, others are elsewhere: hybrid), 'none' (each on its own GPU: NCCL), or 'unknown' (a worker
+    that does not say, an older one: GPUs taken as distinct). Two trainer ranks, or two inference
+    ranks, on one GPU beside workers on other GPUs are refused by name (`_one_per_side`)."""
     known = [u for u in (*trainer_gpus.values(), *inference_gpus.values()) if u]
     if len(known) < n_trainer + n_inference:
-        return False  # a worker that does not say (an older one): GPUs taken as distinct
+        return "unknown"
     if len(set(known)) == 1:
-        return True
-    shared: dict[str, list[str]] = {}
+        return "one"
+    if len(set(known)) == len(known):
+        return "none"
+    _one_per_side(trainer_gpus, inference_gpus)
+    return "some"
+
+
+def _one_per_side(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str]) -> None:
     for side, gpus in (("trainer", trainer_gpus), ("inference", inference_gpus)):
+        on: dict[str, list[int]] = {}
         for r, u in sorted(gpus.items()):
-            shared.setdefault(u, []).append(f"{side} rank {r}")
-    both = {u: who for u, who in shared.items() if len(who) > 1}
-    if both:
-        u, who = next(iter(both.items()))
-        raise BackendError(f"{' and '.join(who)} share GPU {u} while other workers are on other GPUs: NCCL cannot hold "
-                           "two ranks of one GPU, and a session mixing CUDA IPC and NCCL is not supported yet; put every "
-                           "worker on one GPU, or each on its own")
-    return False
+            on.setdefault(u, []).append(r)
+        for u, ranks in on.items():
+            if len(ranks) > 1:
+                raise BackendError(f"{side} ranks {ranks} share GPU {u}: a session across GPUs (hybrid: NCCL between "
+                                   "GPUs, CUDA IPC within one) takes at most one trainer rank and one inference rank per "
+                                   "GPU; put every worker on one GPU (ipc), or at most one of each side on each")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import threading
 import time
 from collections.abc import Callable
 
@@ -135,6 +134,56 @@ def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, 
     return nbytes
 
 
+class SessionStore:
+    """A rank's client of the session's rendezvous store (the trainer controller's, under the
+    session's secret): the keys of CUDA IPC handles and completion marks. Every wait polls
+    against a deadline and fails at once on an abort."""
+
+    def __init__(self, store_host: str, store_port: int, session: str, rank: int, timeout_s: float, key: str = "") -> None:
+        from torch.distributed import PrefixStore, TCPStore
+
+        self.session, self.rank, self.aborted = session, rank, ""
+        try:  # the store is the controller's: reached at once, or not at all
+            store = TCPStore(store_host, store_port, world_size=None, is_master=False,
+                             timeout=datetime.timedelta(seconds=max(1.0, timeout_s)), wait_for_workers=False)
+        except RuntimeError as e:
+            raise TransportError(f"session {session} (rank {rank}): the rendezvous store at "
+                                 f"{store_host}:{store_port} is unreachable: {str(e).splitlines()[0]}") from None
+        self._store = PrefixStore(f"reshard/{key or session}/ipc", store)
+
+    def abort(self, reason: str) -> None:
+        self.aborted = self.aborted or reason
+
+    def close(self) -> None:
+        self._store = None
+
+    def _usable(self) -> None:
+        if self.aborted:
+            raise TransportError(self.aborted)
+        if self._store is None:
+            raise TransportError(f"session {self.session} is closed")
+
+    def put(self, key: str, value: bytes) -> None:
+        self._usable()
+        self._store.set(key, value)
+
+    def wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
+        """Until every key is in the store: fails at the deadline or at once on an abort."""
+        delay = 0.001
+        while True:
+            self._usable()
+            if not keys or self._store.check(keys):
+                return
+            if time.monotonic() >= deadline:
+                raise TransportError(f"session {self.session}, rank {self.rank}: {what}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def get(self, key: str) -> bytes:
+        self._usable()
+        return bytes(self._store.get(key))
+
+
 class IpcTransport(Transport):
     """A session whose ranks share one GPU: no messages, only handles and completion marks
     through the session's rendezvous store (see the module doc). `send`/`recv` are refused."""
@@ -149,27 +198,22 @@ class IpcTransport(Transport):
 
     def __init__(self, store_host: str, store_port: int, session: str, rank: int, world: int, timeout_s: float, *,
                  device: str = "cpu", key: str = "", on_connecting: Callable[[Transport], None] | None = None) -> None:
-        from torch.distributed import PrefixStore, TCPStore
-
         if not str(device).startswith("cuda"):
             raise TransportError(f"session {session} uses CUDA IPC, but rank {rank}'s buffers are on {device}")
         self.rank, self.world, self.session, self.device = rank, world, session, torch.device(device)
-        self._lock = threading.Lock()
+        self.store: SessionStore | None = None
         if on_connecting is not None:
             on_connecting(self)
             if self.aborted:
                 raise TransportError(self.aborted)
-        try:  # the store is the controller's: reached at once, or not at all
-            store = TCPStore(store_host, store_port, world_size=None, is_master=False,
-                             timeout=datetime.timedelta(seconds=max(1.0, timeout_s)), wait_for_workers=False)
-        except RuntimeError as e:
-            raise TransportError(f"CUDA IPC session {session} (rank {rank}): the rendezvous store at "
-                                 f"{store_host}:{store_port} is unreachable: {str(e).splitlines()[0]}") from None
-        self._store = PrefixStore(f"reshard/{key or session}/ipc", store)
+        self.store = SessionStore(store_host, store_port, session, rank, timeout_s, key)
+        if self.aborted:
+            self.store.abort(self.aborted)
 
     def abort(self, reason: str) -> None:
-        with self._lock:
-            self.aborted = self.aborted or reason
+        self.aborted = self.aborted or reason
+        if self.store is not None:
+            self.store.abort(reason)
 
     def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
         raise TransportError("a CUDA IPC session moves no messages: its destination ranks read the sources' buffers")
@@ -177,34 +221,8 @@ class IpcTransport(Transport):
     recv = send
 
     def close(self) -> None:
-        self._store = None
-
-    # -- the session's steps -----------------------------------------------------------------
-    def _usable(self) -> None:
-        if self.aborted:
-            raise TransportError(self.aborted)
-        if self._store is None:
-            raise TransportError(f"CUDA IPC session {self.session} is closed")
-
-    def put(self, key: str, value: bytes) -> None:
-        self._usable()
-        self._store.set(key, value)
-
-    def wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
-        """Until every key is in the store: fails at the deadline or at once on an abort."""
-        delay = 0.001
-        while True:
-            self._usable()
-            if not keys or self._store.check(keys):
-                return
-            if time.monotonic() >= deadline:
-                raise TransportError(f"CUDA IPC session {self.session}, rank {self.rank}: {what}")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-
-    def get(self, key: str) -> bytes:
-        self._usable()
-        return bytes(self._store.get(key))
+        if self.store is not None:
+            self.store.close()
 
 
 def source_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]):
@@ -228,22 +246,22 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
     """One rank's share of an update in a CUDA IPC session: (checksums, bytes, checksum seconds)."""
     if side == "src":
         total = plan.send_bytes(rank)
-        t.put(f"{update_id}/handles/{rank}", export_buffers(buffers))
+        t.store.put(f"{update_id}/handles/{rank}", export_buffers(buffers))
         t0 = time.perf_counter()
         sums = source_checksums(plan, rank, buffers, shapes)
         csum = time.perf_counter() - t0
         readers = sorted({m.dst for m in plan.sends.get(rank, [])})
         # The buffers stay as they are until every destination rank that reads them is done.
-        t.wait_keys([f"{update_id}/read/{d}" for d in readers], deadline,
+        t.store.wait_keys([f"{update_id}/read/{d}" for d in readers], deadline,
                     f"destination ranks {readers} did not finish reading this rank's buffers in time")
         if progress:
             progress(total, total)
         return sums, total, csum
     sources = sorted({m.src for m in plan.recvs.get(rank, [])})
-    t.wait_keys([f"{update_id}/handles/{s}" for s in sources], deadline,
+    t.store.wait_keys([f"{update_id}/handles/{s}" for s in sources], deadline,
                 f"source ranks {sources} did not publish their buffers' handles in time")
     # Every rank of the session is on this GPU (matched by UUID): map on this process's index of it.
-    mapped = {s: import_buffers(t.get(f"{update_id}/handles/{s}"), t.device.index) for s in sources}
+    mapped = {s: import_buffers(t.store.get(f"{update_id}/handles/{s}"), t.device.index) for s in sources}
     try:
         with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
             nbytes = run_plan_from_peers(plan, rank, mapped, buffers)
@@ -253,7 +271,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
     pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
     sums = receiver_checksums(plan, rank, buffers, pieces, shapes)  # what landed, read where it landed
     csum = time.perf_counter() - t0
-    t.put(f"{update_id}/read/{rank}", b"1")
+    t.store.put(f"{update_id}/read/{rank}", b"1")
     if progress:
         progress(nbytes, nbytes)
     return sums, nbytes, csum

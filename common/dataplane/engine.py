@@ -104,23 +104,37 @@ class Engine:
                  tensor_shapes: dict[str, tuple[int, ...]], pool: StagingPool, deadline: float,
                  progress: Callable[[int, int], None] | None = None, checksums: bool = True,
                  hook: Callable[[int], None] | None = None, dst_offset: int | None = None,
-                 receiver_sums: bool = False) -> None:
+                 receiver_sums: bool = False, guest: tuple[int, dict[str, torch.Tensor]] | None = None) -> None:
         if side not in ("src", "dst"):
             raise ValueError(f"side must be 'src' or 'dst', not {side!r}")
+        if guest is not None and side != "src":
+            raise ValueError("only a source rank hosts a destination rank's receives")
         self.t, self.plan, self.side, self.rank = transport, plan, side, rank
         self.buffers, self.shapes, self.pool = buffers, tensor_shapes, pool
         self.deadline, self.progress, self.do_checksums, self.hook = deadline, progress, checksums, hook
         self.receiver_sums = receiver_sums and side == "dst"  # sum what lands, per piece, as it lands
+        # A hybrid session's source rank may host the destination rank on its GPU (`guest`: its rank and
+        # its buffers, mapped through CUDA IPC): it receives that rank's messages into them, and what it
+        # sends that rank itself is a device copy (`local`), no message.
+        self.guest, self.recv_buffers = (guest[0], guest[1]) if guest is not None else (None, buffers)
+        self.local: list[Message] = []
         if side == "src":
-            self.work = [(m, "send") for m in plan.sends.get(rank, [])]
+            sends = plan.sends.get(rank, [])
+            self.work = [(m, "send") for m in sends if m.dst != self.guest]
+            if guest is not None:
+                self.local = [m for m in sends if m.dst == self.guest]
+                self.work += [(m, "recv") for m in plan.recvs.get(self.guest, []) if m.src != rank]
         else:
             self.work = [(m, "recv") for m in plan.recvs.get(rank, [])] + [(m, "send") for m in plan.relay_sends.get(rank, [])]
         self.src_world = plan.src_world
         self.dst_offset = plan.src_world if dst_offset is None else dst_offset
         self.checksums: dict[PieceKey, int] = defaultdict(int)
         self._queued_sums: dict[PieceKey, torch.Tensor] = {}  # stream-ordered: sums on the device, not read yet
-        self.bytes_done = 0
+        self.bytes_done = 0  # this rank's own bytes (a hosted rank's receives are its own to report)
         self.checksum_seconds = 0.0
+
+    def _own(self, role: str) -> bool:
+        return self.guest is None or role == "send"
 
     def _peer(self, m: Message, role: str) -> int:
         if role == "send":
@@ -176,7 +190,7 @@ class Engine:
     def _run(self) -> dict[PieceKey, int]:
         rounds = self._rounds()
         ordered = self.t.stream_ordered
-        total = sum(m.nbytes for m, _ in self.work)
+        total = sum(m.nbytes for m, role in self.work if self._own(role)) + sum(m.nbytes for m in self.local)
         sizes = [sum(m.staged_bytes for m, role in r if self._staged(m, role)) for r in rounds]
         half = max(sizes, default=0)
         pool = self.pool.get(2 * half) if half else None
@@ -193,7 +207,7 @@ class Engine:
                 else:
                     seg = m.segments[0]
                     side = seg.src if role == "send" else seg.dst
-                    buf = _flat_bytes(self.buffers[side.buffer], side, seg.box.size)
+                    buf = _flat_bytes((self.buffers if role == "send" else self.recv_buffers)[side.buffer], side, seg.box.size)
                 out.append((m, role, buf))
             return out
 
@@ -208,17 +222,20 @@ class Engine:
             return not any(m.relay and role == "send" for m, role in rounds[i])
 
         def landed(i: int, items: list[tuple[Message, str, torch.Tensor]]) -> None:
-            self.bytes_done += sum(m.nbytes for m, _, _ in items)
+            self.bytes_done += sum(m.nbytes for m, role, _ in items if self._own(role))
             if self.progress:
                 self.progress(self.bytes_done, total)
             if self.hook:
                 self.hook(i)
 
         if not rounds:
-            return {}
+            self._copy_local(total)
+            self._read_sums()
+            return dict(self.checksums)
         queued: deque = deque()  # stream-ordered: rounds not yet seen done on the host
         current = stage(0)
         works = post(current)
+        self._copy_local(total)  # while the first round is on the wire
         for i in range(len(rounds)):
             nxt = stage(i + 1) if (i + 1 < len(rounds) and prepackable(i + 1)) else None
             if self.do_checksums:
@@ -238,7 +255,7 @@ class Engine:
                 (w.device_wait if ordered else w.wait)(self._remaining())
             for m, role, buf in current:
                 if role == "recv" and self._staged(m, role):
-                    unpack(m, self.buffers, buf)
+                    unpack(m, self.recv_buffers, buf)
             if not ordered:
                 landed(i, current)
             done, done_works = current, works
@@ -256,6 +273,19 @@ class Engine:
                     landed(j, items)
         self._read_sums()
         return dict(self.checksums)
+
+    def _copy_local(self, total: int) -> None:
+        """What this rank sends the destination rank it hosts: one device copy per segment (cast where
+        the plan says), summed as the destination will hold it."""
+        for m in self.local:
+            for seg in m.segments:
+                view = seg.src.view(self.buffers[seg.src.buffer], seg.box.size)
+                seg.dst.view(self.recv_buffers[seg.dst.buffer], seg.box.size).copy_(view)
+                if self.do_checksums:
+                    self._sender_checksum(m.dst, seg, view if view.dtype == dtype_of(seg.dst_dtype) else view.to(dtype_of(seg.dst_dtype)))
+            self.bytes_done += m.nbytes
+        if self.local and self.progress:
+            self.progress(self.bytes_done, total)
 
     def _receiver_checksums(self, items) -> None:
         """A receiver's sums per piece of what landed, read where it landed (each segment's

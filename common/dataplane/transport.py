@@ -284,7 +284,8 @@ class GlooTransport(Transport):
 
 TRANSPORTS = {"gloo": GlooTransport}
 _LAZY = {"nccl": ("reshard.common.dataplane.nccl_transport", "NcclTransport"),  # imported when first asked for
-         "ipc": ("reshard.common.dataplane.cuda_ipc", "IpcTransport")}
+         "ipc": ("reshard.common.dataplane.cuda_ipc", "IpcTransport"),
+         "hybrid": ("reshard.common.dataplane.hybrid", "HybridTransport")}
 
 
 def transport_class(name: str) -> type[Transport]:

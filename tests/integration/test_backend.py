@@ -21,3 +21,18 @@ def test_cpu_workers_report_device_and_memory_and_run_gloo():
         assert int(tr["workers"][0]["memory"]["staging"]) > 0
     finally:
         c.close()
+
+
+def test_a_forced_backend_that_cannot_work_fails_the_update_by_name():
+    """`--backend hybrid` (NCCL between GPUs, CUDA IPC within one) on CPU workers: the update fails
+    before any byte moves, saying why, and inference keeps serving what it had."""
+    c = Cluster("tiny", inference_workers=1, trainer_workers=1, trainer_args=("--backend", "hybrid"))
+    try:
+        before = c.status("inference")["version"]
+        rc, out, err = c.update()
+        assert rc != 0 and out and not out["ok"], (rc, out, err)
+        assert "--backend hybrid needs CUDA buffers, but trainer ranks [0] and inference ranks [0] hold CPU buffers" \
+            in out["error"] and "nothing transferred" in out["error"], out
+        assert c.status("inference")["version"] == before
+    finally:
+        c.close()

@@ -300,8 +300,7 @@ def test_backend_ipc_when_every_worker_is_on_one_gpu():
     assert select_backend("auto", one["t"], one["i"], *apart) == "nccl"
     assert select_backend("auto", one["t"], one["i"], same[0], {0: "GPU-a", 1: ""}) == "nccl"  # one does not say
     assert select_backend("auto", one["t"], one["i"]) == "nccl"  # older controllers: no UUIDs at all
-    with pytest.raises(BackendError, match=r"trainer rank 0 and inference rank 1 share GPU GPU-a while other workers"):
-        select_backend("auto", one["t"], one["i"], {0: "GPU-a", 1: "GPU-b"}, {0: "GPU-c", 1: "GPU-a"})
+    assert select_backend("auto", one["t"], one["i"], {0: "GPU-a", 1: "GPU-b"}, {0: "GPU-c", 1: "GPU-a"}) == "hybrid"
     with pytest.raises(BackendError, match="--backend ipc needs every trainer and inference worker's buffers on one GPU"):
         select_backend("ipc", one["t"], one["i"], *apart)
     with pytest.raises(BackendError, match="--backend ipc needs .* hold CPU buffers"):
@@ -310,10 +309,35 @@ def test_backend_ipc_when_every_worker_is_on_one_gpu():
         select_backend("nccl", one["t"], one["i"], *same)
 
 
+def test_backend_hybrid_when_some_workers_share_a_gpu():
+    """The colocated setup on several GPUs (a trainer rank and an inference rank on each): NCCL between
+    GPUs, CUDA IPC within one. Two ranks of one side on a GPU are refused by name; NCCL is refused
+    where ranks share a GPU; hybrid is refused without CUDA or without every GPU's UUID."""
+    dev = {0: "cuda:0", 1: "cuda:1"}
+    pairs = ({0: "GPU-a", 1: "GPU-b"}, {0: "GPU-a", 1: "GPU-b"})
+    assert select_backend("auto", dev, dev, *pairs) == "hybrid"
+    assert select_backend("hybrid", dev, dev, *pairs) == "hybrid"
+    assert select_backend("auto", dev, {0: "cuda:2"}, pairs[0], {0: "GPU-b"}) == "hybrid"  # partly colocated
+    assert select_backend("hybrid", dev, dev, pairs[0], {0: "GPU-c", 1: "GPU-d"}) == "hybrid"  # nothing shared: NCCL alone
+    assert select_backend("hybrid", {0: "cuda:0"}, {0: "cuda:0"}, {0: "GPU-a"}, {0: "GPU-a"}) == "hybrid"
+    with pytest.raises(BackendError, match=r"--backend nccl cannot run here: some workers share a GPU.*--backend auto \(hybrid"):
+        select_backend("nccl", dev, dev, *pairs)
+    with pytest.raises(BackendError, match=r"inference ranks \[0, 1\] share GPU GPU-b: .*at most one trainer rank and one "
+                                           r"inference rank per GPU"):
+        select_backend("auto", dev, dev, pairs[0], {0: "GPU-b", 1: "GPU-b"})
+    with pytest.raises(BackendError, match=r"trainer ranks \[0, 1\] share GPU GPU-a"):
+        select_backend("hybrid", dev, dev, {0: "GPU-a", 1: "GPU-a"}, {0: "GPU-a", 1: "GPU-a"})
+    with pytest.raises(BackendError, match="--backend hybrid needs CUDA buffers"):
+        select_backend("hybrid", {0: "cpu"}, {0: "cpu"})
+    with pytest.raises(BackendError, match="--backend hybrid needs every worker's GPU UUID"):
+        select_backend("hybrid", dev, dev, pairs[0], {0: "GPU-a", 1: ""})
+
+
 def test_ipc_sessions_plan_without_relays():
     from reshard.common.dataplane.backend import plan_options
 
     assert plan_options(0, "ipc").relay is False and plan_options(4096, "ipc").bucket_bytes == 4096
+    assert plan_options(0, "hybrid").relay is False
     assert plan_options(0, "nccl").relay is True and plan_options(0, "gloo") == plan_options(0, "nccl")
 
 
@@ -331,18 +355,18 @@ def test_ipc_session_waits_end_at_the_deadline_or_an_abort():
         IpcTransport("127.0.0.1", port, "s", 0, 2, 5.0, device="cpu", key="k")
     a = IpcTransport("127.0.0.1", port, "s", 0, 2, 5.0, device="cuda:0", key="k")  # no CUDA call until data moves
     b = IpcTransport("127.0.0.1", port, "s", 1, 2, 5.0, device="cuda:0", key="k")
-    a.put("u/handles/0", b"h0")
-    b.wait_keys(["u/handles/0"], time.monotonic() + 5, "never")
-    assert b.get("u/handles/0") == b"h0"
+    a.store.put("u/handles/0", b"h0")
+    b.store.wait_keys(["u/handles/0"], time.monotonic() + 5, "never")
+    assert b.store.get("u/handles/0") == b"h0"
     other = IpcTransport("127.0.0.1", port, "s", 1, 2, 5.0, device="cuda:0", key="another")
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="destination ranks \\[1\\] did not finish"):
-        other.wait_keys(["u/handles/0"], time.monotonic() + 0.3, "destination ranks [1] did not finish")  # other secret
+        other.store.wait_keys(["u/handles/0"], time.monotonic() + 0.3, "destination ranks [1] did not finish")  # other secret
     assert time.monotonic() - t0 < 2
     threading.Timer(0.2, a.abort, ("update u aborted",)).start()
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="update u aborted"):
-        a.wait_keys(["u/read/1"], time.monotonic() + 30, "never")
+        a.store.wait_keys(["u/read/1"], time.monotonic() + 30, "never")
     assert time.monotonic() - t0 < 2
     with pytest.raises(TransportError, match="moves no messages"):
         b.send(torch.zeros(1, dtype=torch.uint8), 0, 0)
@@ -409,8 +433,10 @@ def test_buffers_device():
 
 
 def test_transport_registry_knows_nccl():
-    assert transport_class("nccl") is NcclTransport
-    with pytest.raises(ValueError, match="valid transports: gloo, ipc, nccl"):
+    from reshard.common.dataplane.hybrid import HybridTransport
+
+    assert transport_class("nccl") is NcclTransport and transport_class("hybrid") is HybridTransport
+    with pytest.raises(ValueError, match="valid transports: gloo, hybrid, ipc, nccl"):
         transport_class("mpi")
 
 

@@ -1,0 +1,219 @@
+"""Hybrid sessions: NCCL between GPUs, CUDA IPC within one.
+
+The colocated RL setup on several GPUs puts a trainer rank and an inference rank on each
+GPU (in separate processes). NCCL cannot hold two ranks of one GPU in a communicator, so
+such a session gives each GPU one place in it: its *host*, the lowest session rank on it
+(the trainer rank, where there is one). The other rank on that GPU, its *guest*, takes no
+part in NCCL: it puts CUDA IPC handles of its buffers in the session's rendezvous store,
+and its host maps them and does the guest's share of the plan into them, while it does
+its own:
+
+- what the host sends its guest is one device copy per segment, no message;
+- what other GPUs send the guest arrives at the host over NCCL, straight into the
+  guest's buffers (or through the host's staging, then unpacked into them);
+- what the host sends other GPUs goes over NCCL as in any session.
+
+The host then marks the guest's pieces written (or says why not), drops its mappings, and
+the guest sums what landed in its own buffers for VERIFY, as every destination rank does.
+So the bytes cross each GPU boundary once, over NCCL, and never stage through a second
+copy on the GPU that shares them: the two-hop alternative (reshard among the trainer
+ranks, then IPC) would hold a second copy of the inference weights on every GPU.
+
+Limits: each GPU holds at most one trainer rank and at most one inference rank (two of
+one side on one GPU are refused by name); plans have no relays, as in IPC sessions; the
+`serialized` method needs messages between every rank and is refused. Every wait polls
+against the update's deadline and fails at once on an abort; a host that fails marks its
+guest's pieces failed, so the guest fails at once with the host's reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from reshard.common.dataplane.cuda_ipc import SessionStore, export_buffers, import_buffers
+from reshard.common.dataplane.engine import Engine, StagingPool, receiver_checksums
+from reshard.common.dataplane.transport import Transport, TransportError, Work
+from reshard.common.layout.core import Layout
+from reshard.common.plan.planner import Plan
+
+
+class Placement:
+    """Where each session rank's bytes move: `hosts[r]`, the session rank that moves them (itself, or
+    the host of its GPU), and `comm[r]`, its host's rank in the NCCL communicator (one per GPU)."""
+
+    def __init__(self, gpus: Sequence[str], src_world: int) -> None:
+        if any(not u for u in gpus):
+            missing = [r for r, u in enumerate(gpus) if not u]
+            raise TransportError(f"a hybrid session needs every rank's GPU UUID; session ranks {missing} have none")
+        self.src_world = src_world
+        on: dict[str, list[int]] = {}
+        for r, u in enumerate(gpus):
+            on.setdefault(u, []).append(r)
+        for u, ranks in on.items():
+            for side, mine in (("trainer", [r for r in ranks if r < src_world]),
+                               ("inference", [r - src_world for r in ranks if r >= src_world])):
+                if len(mine) > 1:
+                    raise TransportError(f"{side} ranks {mine} share GPU {u}: a hybrid session takes at most one trainer "
+                                         "rank and one inference rank per GPU")
+        order = list(on)  # GPUs in the order of their lowest session rank: trainer worker 0's comes first
+        self.hosts = [on[u][0] for u in gpus]
+        self.comm = [order.index(u) for u in gpus]
+        self.world = len(order)
+        self.guests = {ranks[0]: ranks[1] for ranks in on.values() if len(ranks) > 1}  # host -> guest (session ranks)
+
+    def describe(self, r: int) -> str:
+        return f"trainer rank {r}" if r < self.src_world else f"inference rank {r - self.src_world}"
+
+
+class HybridTransport(Transport):
+    """One rank of a hybrid session: the session's store, and for a GPU's host its place in the
+    NCCL communicator (`net`), addressed by session rank (mapped to the host's)."""
+
+    name = "hybrid"
+
+    @classmethod
+    def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
+                    on_connecting: Callable[[Transport], None] | None = None) -> "HybridTransport":
+        from reshard.common.dataplane.nccl_transport import NcclTransport
+
+        placement = Placement(list(session.device_uuids), session.src_world)
+        if len(placement.hosts) != world:
+            raise TransportError(f"session {session.id} names the GPUs of {len(placement.hosts)} ranks, not {world}")
+        if not session.nccl_unique_id:
+            raise TransportError(f"session {session.id} uses NCCL between GPUs but carries no nccl_unique_id")
+
+        def net(attach: Callable[[Transport], None]) -> Transport:
+            return NcclTransport(bytes(session.nccl_unique_id), placement.comm[rank], placement.world, timeout_s,
+                                 device=device, session=session.id, on_connecting=attach)
+
+        store = lambda: SessionStore(session.store_host, session.store_port, session.id, rank, timeout_s, session.key)  # noqa: E731
+        return cls(placement, rank, store, net, device=device, on_connecting=on_connecting)
+
+    def __init__(self, placement: Placement, rank: int, store: Callable[[], SessionStore],
+                 net: Callable[[Callable[[Transport], None]], Transport], *, device: str = "cpu",
+                 on_connecting: Callable[[Transport], None] | None = None) -> None:
+        self.placement, self.rank, self.device = placement, rank, torch.device(device)
+        self.host = placement.hosts[rank]
+        self.guest = placement.guests.get(rank)  # the session rank this rank moves bytes for, besides its own
+        self.net: Transport | None = None
+        self.store: SessionStore | None = None
+        self._lock = threading.Lock()
+        if on_connecting is not None:
+            on_connecting(self)
+        self._check()
+        made = store()
+        with self._lock:
+            self.store = made
+            if self.aborted:
+                made.abort(self.aborted)
+        self._check()
+        if self.host == rank:
+            net(self._attach)
+            self._check()
+
+    def _check(self) -> None:
+        if self.aborted:
+            raise TransportError(self.aborted)
+
+    def _attach(self, net: Transport) -> None:
+        with self._lock:
+            self.net = net
+            why = self.aborted
+        if why:
+            net.abort(why)
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self.aborted:
+                return
+            self.aborted = reason
+            parts = [p for p in (self.store, self.net) if p is not None]
+        for p in parts:
+            p.abort(reason)
+
+    @property
+    def stream_ordered(self) -> bool:
+        return self.net is not None and self.net.stream_ordered
+
+    @property
+    def connection_bytes(self) -> int:
+        return self.net.connection_bytes if self.net is not None else 0
+
+    def _net(self) -> Transport:
+        self._check()
+        if self.net is None:
+            raise TransportError(f"{self.placement.describe(self.rank)} moves no bytes of its own: its GPU's host "
+                                 f"({self.placement.describe(self.host)}) does")
+        return self.net
+
+    def send(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
+        return self._net().send(buf, self.placement.comm[peer], tag)
+
+    def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
+        return self._net().recv(buf, self.placement.comm[peer], tag)
+
+    def flush(self) -> None:
+        self._net().flush()
+
+    def copy_context(self):
+        return self._net().copy_context()
+
+    def warm_up(self, sends_to: set[int], recvs_from: set[int], timeout_s: float) -> None:
+        comm = self.placement.comm
+        self._net().warm_up({comm[p] for p in sends_to}, {comm[p] for p in recvs_from}, timeout_s)
+
+    def close(self) -> None:
+        for p in (self.net, self.store):
+            if p is not None:
+                p.close()
+
+
+def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
+               shapes: dict[str, tuple[int, ...]], dst: Layout, pool: StagingPool, deadline: float, *,
+               connected: Callable[[], None], progress: Callable[[int, int], None] | None = None,
+               hook: Callable[[int], None] | None = None):
+    """One rank's share of an update in a hybrid session: (checksums, bytes, checksum seconds)."""
+    me, where = t.rank, t.placement.describe
+    if t.host != me:  # a guest: its GPU's host writes its pieces
+        t.store.put(f"{update_id}/handles/{me}", export_buffers(buffers))
+        connected()
+        mark = f"{update_id}/written/{me}"
+        t.store.wait_keys([mark], deadline, f"{where(t.host)}, the host of this GPU, did not write this rank's pieces in time")
+        said = t.store.get(mark)
+        if said != b"ok":
+            raise TransportError(f"{where(t.host)}, the host of this GPU, failed: {said.decode(errors='replace')}")
+        t0 = time.perf_counter()
+        pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
+        sums = receiver_checksums(plan, rank, buffers, pieces, shapes)  # what landed, read where it landed
+        total = plan.recv_bytes(rank)
+        if progress:
+            progress(total, total)
+        return sums, total, time.perf_counter() - t0
+    guest = None
+    if t.guest is not None:
+        key = f"{update_id}/handles/{t.guest}"
+        t.store.wait_keys([key], deadline, f"{where(t.guest)}, on this GPU, did not publish its buffers' handles in time")
+        guest = (t.guest - plan.src_world, import_buffers(t.store.get(key), t.device.index))
+    try:
+        engine = Engine(t, plan, side, rank, buffers, shapes, pool, deadline, progress=progress, checksums=side == "src",
+                        hook=hook, receiver_sums=side == "dst", guest=guest)
+        t.warm_up(*engine.peers(), max(0.0, deadline - time.monotonic()))
+        connected()
+        sums = engine.run()  # the copy stream has landed every piece when it returns
+    except BaseException as e:
+        if guest is not None:
+            guest[1].clear()
+            if t.store is not None and not t.aborted:
+                try:
+                    t.store.put(f"{update_id}/written/{t.guest}", str(e).encode() or type(e).__name__.encode())
+                except Exception:  # noqa: BLE001 - the guest then fails at its deadline or abort
+                    pass
+        raise
+    if guest is not None:
+        guest[1].clear()  # the mappings go before the guest reads or changes its buffers
+        t.store.put(f"{update_id}/written/{t.guest}", b"ok")
+    return sums, engine.bytes_done, engine.checksum_seconds
