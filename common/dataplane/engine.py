@@ -15,6 +15,10 @@ forwards. Checksums are then queued on the copy stream too (`box_checksum_tensor
 and read once at the end. The host waits for round k only once ROUNDS_AHEAD later
 rounds are queued (bounding what is queued on the device behind a peer that may
 have died) and for the rest at the end; progress and the hook follow those waits.
+
+In a hybrid session (common/dataplane/hybrid.py) a source rank may also host the
+destination rank on its GPU (`guest`): it receives that rank's messages into its buffers
+(mapped through CUDA IPC) and writes what it sends it by device copies.
 """
 
 from __future__ import annotations
