@@ -353,7 +353,7 @@ def section_colocated(dev, workers: int = 2, backend: str = "auto", expect: str 
     inf, tr = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}"
     env = dict(os.environ)  # PYTHONPATH reaches this checkout's reshard (scripts/gpu_check.py), as for the workers
     cmd = [sys.executable, "-m", "reshard.cli"]
-    common = ["--model", model, "--device", "cuda", "--update-timeout", "120", "--seed", str(seed)]
+    common = ["--model", model, "--device", str(dev), "--update-timeout", "120", "--seed", str(seed)]
     n = str(workers)
     procs = [subprocess.Popen(cmd + ["inference", "--listen", inf, "--workers", n, *common], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),

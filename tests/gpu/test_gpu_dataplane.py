@@ -178,56 +178,36 @@ def test_device_checksum_equals_the_host_path(dtype):
         assert box_checksum_torch(view, off, full.shape) == box_checksum(view.cpu(), off, full.shape)
 
 
-def test_colocated_update_through_the_services_uses_cuda_ipc():
-    """Trainer and inference workers all on this GPU: the backend is CUDA IPC, the update commits
-    verified, and what inference holds equals the step's weights, read back through Dump."""
-    from tests.integration.cluster import Cluster
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    c = Cluster("tiny", inference_workers=2, trainer_workers=2, trainer_args=("--device", "cuda"),
-                inference_args=("--device", "cuda"))
-    try:
-        _update_and_read_back(c, "tiny", "ipc")
-    finally:
-        c.close()
 
-def _update_and_read_back(c, model: str, backend: str) -> None:
-    """One update through the services: it commits verified on `backend`, and every tensor read back
-    through Dump equals the step's weights."""
+@pytest.mark.parametrize("workers,device,backend,picked", [
+    # every worker on GPU 0: CUDA IPC
+    (2, "cuda:0", "auto", "ipc"),
+    # hybrid forced with one trainer and one inference worker on GPU 0: the trainer rank hosts the GPU
+    # (an NCCL communicator of one) and writes the inference rank's pieces through IPC mappings
+    (1, "cuda:0", "hybrid", "hybrid"),
+    # a trainer rank and an inference rank on each of two GPUs (rank % count): auto picks hybrid, NCCL
+    # carries what crosses GPUs and each host writes its guest's pieces
+    pytest.param(2, "cuda", "auto", "hybrid", marks=pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")),
+], ids=["ipc", "hybrid-one-gpu", "hybrid-two-gpus"])
+def test_colocated_update_through_the_services(workers, device, backend, picked):
+    """Trainer and inference workers sharing GPUs: the backend is the one expected, the update
+    commits verified, and what inference holds equals the step's weights, read back through Dump."""
     from reshard.common.models.presets import model_config
-
-    code, out, err = c.update()
-    assert code == 0 and out and out["ok"], err
-    st = c.status("trainer")
-    assert [d["backend"] for d in st["deployments"]] == [backend] and st["history"][-1]["verified"]
-    step = int(out["committed"]["step"])
-    for name in model_config(model).tensors():
-        got, version = c.dump(name)
-        assert torch.equal(got, c.expected(name, step)), name
-
-
-def test_hybrid_session_on_one_gpu_writes_the_guest_through_ipc():
-    """`--backend hybrid` with one trainer and one inference worker on this GPU: the trainer rank
-    hosts the GPU (an NCCL communicator of one) and writes the inference rank's pieces into its
-    buffers mapped through CUDA IPC; the update commits verified and reads back bit-exact."""
     from tests.integration.cluster import Cluster
 
-    c = Cluster("tiny", inference_workers=1, trainer_workers=1, trainer_args=("--device", "cuda", "--backend", "hybrid"),
-                inference_args=("--device", "cuda"))
+    c = Cluster("tiny", inference_workers=workers, trainer_workers=workers,
+                trainer_args=("--device", device, "--backend", backend), inference_args=("--device", device))
     try:
-        _update_and_read_back(c, "tiny", "hybrid")
-    finally:
-        c.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_colocated_on_two_gpus_picks_hybrid():
-    """A trainer rank and an inference rank on each of two GPUs (`--device cuda`: rank % count): auto
-    picks hybrid, NCCL carries what crosses GPUs and each host writes its guest's pieces."""
-    from tests.integration.cluster import Cluster
-
-    c = Cluster("tiny", inference_workers=2, trainer_workers=2, trainer_args=("--device", "cuda"),
-                inference_args=("--device", "cuda"))
-    try:
-        _update_and_read_back(c, "tiny", "hybrid")
+        code, out, err = c.update()
+        assert code == 0 and out and out["ok"], err
+        st = c.status("trainer")
+        assert [d["backend"] for d in st["deployments"]] == [picked] and st["history"][-1]["verified"]
+        step = int(out["committed"]["step"])
+        for name in model_config("tiny").tensors():
+            got, version = c.dump(name)
+            assert torch.equal(got, c.expected(name, step)), name
     finally:
         c.close()

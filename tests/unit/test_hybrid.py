@@ -1,7 +1,7 @@
 """Hybrid sessions (NCCL between GPUs, CUDA IPC within one), on CPU: the hosts' data plane is a real
-gloo group over a real rendezvous store, and CUDA's handle export and mapping are replaced by an
-in-process table (threads share memory as processes sharing a GPU do through IPC). `tests/gpu` and
-`make gpu-check` hold the CUDA versions."""
+gloo group (or the fake NCCL) over a real rendezvous store, and CUDA's handle export and mapping are
+replaced by an in-process table (`tests/unit/colocation.py`). `tests/gpu` and `make gpu-check` hold
+the CUDA versions."""
 
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from reshard.common.dataplane.cuda_ipc import SessionStore
 from reshard.common.dataplane.engine import StagingPool
 from reshard.common.dataplane.hybrid import HybridTransport, Placement
 from reshard.common.dataplane.transport import GlooTransport, TransportError, serve_store
-from reshard.common.layout.core import dtype_of
 from reshard.common.models.frameworks import build
 from reshard.common.plan.planner import make_plan
-from reshard.tools.synth import init_box
+from tests.unit.colocation import assert_canonical, buffers, in_process_ipc
 
 
 def test_placement_gives_each_gpu_one_host():
@@ -48,33 +47,17 @@ def test_a_session_must_name_every_ranks_gpu_and_carry_an_nccl_id():
         HybridTransport.for_session(s, 0, 3, 1.0)
 
 
-def _canonical(lay, rank, shapes, fill):
-    out = {b.name: torch.zeros(b.shape, dtype=dtype_of(b.dtype)) for b in lay.ranks[rank]}
-    for b in lay.ranks[rank] if fill else ():
-        for p in b.pieces:
-            init_box(p.view(out[b.name]), 7, p.tensor, p.box.offset, shapes[p.tensor])
-    return out
-
-
 def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0):
     """Every rank of a hybrid session at once, each on a thread: {(side, rank): result or exception}."""
-    table: dict[bytes, dict] = {}
-
-    def export(bufs: dict) -> bytes:
-        key = str(id(bufs)).encode()
-        table[key] = bufs
-        return key
-
-    monkeypatch.setattr(hybrid, "export_buffers", export)
-    monkeypatch.setattr(hybrid, "import_buffers", lambda data, device=None: dict(table[data]))
+    in_process_ipc(monkeypatch, hybrid)
     plan = make_plan(src, dst, plan_options(0, "hybrid"))
     shapes = {n: t.shape for n, t in src.tensors.items()}
     S = src.world
     placement = Placement(gpus, S)
     store, sock = serve_store("127.0.0.1", 10.0)
     port = sock.getsockname()[1]
-    ranks = [("src", r, _canonical(src, r, shapes, True)) for r in range(S)] + \
-            [("dst", r, _canonical(dst, r, shapes, False)) for r in range(dst.world)]
+    ranks = [("src", r, buffers(src, r, shapes, 7)) for r in range(S)] + \
+            [("dst", r, buffers(dst, r, shapes, None)) for r in range(dst.world)]
     results: dict = {}
 
     def run(side, rank, bufs):
@@ -123,11 +106,7 @@ def test_hybrid_session_moves_every_piece_bit_exact(monkeypatch):
     landed = {k: v for r in range(dst.world) for k, v in results[("dst", r)][0].items()}
     assert sent == landed and len(landed) == sum(len(plan.expected_pieces(r)) for r in range(dst.world))
     for _, r, bufs in ranks[S:]:
-        for b in dst.ranks[r]:
-            for p in b.pieces:
-                want = torch.empty(p.box.size, dtype=dtype_of(b.dtype))
-                init_box(want, 7, p.tensor, p.box.offset, shapes[p.tensor])
-                assert torch.equal(p.view(bufs[b.name]), want), (r, b.name, p.tensor)
+        assert_canonical(dst, r, bufs, shapes, 7)
     assert sum(results[("src", r)][1] for r in range(S)) == plan.total_bytes
     assert sum(results[("dst", r)][1] for r in range(dst.world)) == plan.total_bytes
     assert not any(m.relay for m in plan.messages)
@@ -165,7 +144,7 @@ def test_a_guest_that_never_publishes_fails_its_host_at_the_deadline_and_an_abor
     shapes = {n: t.shape for n, t in src.tensors.items()}
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="inference rank 0, on this GPU, did not publish its buffers' handles in time"):
-        hybrid.run_hybrid(host, "u1", plan, "src", 0, _canonical(src, 0, shapes, True), shapes, dst, StagingPool(),
+        hybrid.run_hybrid(host, "u1", plan, "src", 0, buffers(src, 0, shapes, 7), shapes, dst, StagingPool(),
                           time.monotonic() + 0.4, connected=lambda: None)
     assert time.monotonic() - t0 < 3
     guest = HybridTransport(placement, 1, lambda: SessionStore("127.0.0.1", port, "s", 1, 5.0, "k"), net)
@@ -173,7 +152,7 @@ def test_a_guest_that_never_publishes_fails_its_host_at_the_deadline_and_an_abor
     threading.Timer(0.2, guest.abort, ("update u2 aborted",)).start()
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="update u2 aborted"):
-        hybrid.run_hybrid(guest, "u2", plan, "dst", 0, _canonical(dst, 0, shapes, False), shapes, dst, StagingPool(),
+        hybrid.run_hybrid(guest, "u2", plan, "dst", 0, buffers(dst, 0, shapes, None), shapes, dst, StagingPool(),
                           time.monotonic() + 30, connected=lambda: None)
     assert time.monotonic() - t0 < 3
     with pytest.raises(TransportError, match="moves no bytes of its own: its GPU's host \\(trainer rank 0\\) does"):
@@ -192,14 +171,7 @@ def test_hybrid_hosts_over_the_fake_nccl_address_comm_ranks_and_land_bit_exact(m
     from reshard.common.dataplane.nccl_transport import NcclTransport
     from tests.unit.test_nccl import FakeCuda, FakeNccl
 
-    table: dict[bytes, dict] = {}
-
-    def export(bufs: dict) -> bytes:
-        table[b"guest"] = bufs
-        return b"guest"
-
-    monkeypatch.setattr(hybrid, "export_buffers", export)
-    monkeypatch.setattr(hybrid, "import_buffers", lambda data, device=None: dict(table[data]))
+    in_process_ipc(monkeypatch, hybrid)
     src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2")
     plan = make_plan(src, dst, plan_options(1 << 16, "hybrid"))
     shapes = {n: t.shape for n, t in src.tensors.items()}
@@ -217,7 +189,7 @@ def test_hybrid_hosts_over_the_fake_nccl_address_comm_ranks_and_land_bit_exact(m
                                  library=libs[me], cuda=FakeCuda(), on_connecting=attach)
         return HybridTransport(placement, me, lambda: SessionStore("127.0.0.1", port, "s", me, 10.0, "k"), net)
 
-    bufs = {me: _canonical(src, me, shapes, True) if me < 2 else _canonical(dst, me - 2, shapes, False) for me in range(4)}
+    bufs = {me: buffers(src, me, shapes, 7) if me < 2 else buffers(dst, me - 2, shapes, None) for me in range(4)}
     deadline = time.monotonic() + 20
     out: dict = {}
 
@@ -242,11 +214,7 @@ def test_hybrid_hosts_over_the_fake_nccl_address_comm_ranks_and_land_bit_exact(m
     assert {p for c in libs[0].calls if c[0] in ("send", "recv") for p in [c[1]]} <= {1, 2}  # comm ranks, never 0 or 3
     assert not any(wire.values()), "messages sent but never received"
     for me, r in ((2, 0), (3, 1)):
-        for b in dst.ranks[r]:
-            for p in b.pieces:
-                want = torch.empty(p.box.size, dtype=dtype_of(b.dtype))
-                init_box(want, 7, p.tensor, p.box.offset, shapes[p.tensor])
-                assert torch.equal(p.view(bufs[me][b.name]), want), (r, b.name, p.tensor)
+        assert_canonical(dst, r, bufs[me], shapes, 7)
     sent: dict = {}
     for me in (0, 1):
         for k, v in out[me][0].items():

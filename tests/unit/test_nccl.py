@@ -1170,34 +1170,18 @@ def test_ipc_session_steps_move_every_piece_and_sum_alike(monkeypatch):
     from reshard.common.dataplane.backend import plan_options
     from reshard.common.dataplane.checksum import P
     from reshard.common.dataplane.transport import serve_store
-    from reshard.common.layout.core import dtype_of
     from reshard.common.models.frameworks import build
     from reshard.common.plan.planner import make_plan
-    from reshard.tools.synth import init_box
+    from tests.unit.colocation import assert_canonical, buffers, in_process_ipc
 
-    table: dict[bytes, dict] = {}
-
-    def export(bufs: dict) -> bytes:
-        key = str(id(bufs)).encode()
-        table[key] = bufs
-        return key
-
-    monkeypatch.setattr(cuda_ipc, "export_buffers", export)
-    monkeypatch.setattr(cuda_ipc, "import_buffers", lambda data, device=None: table[data])
+    in_process_ipc(monkeypatch, cuda_ipc)
     src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=2")
     plan = make_plan(src, dst, plan_options(0, "ipc"))
     shapes = {n: t.shape for n, t in src.tensors.items()}
 
-    def held(lay, rank, fill):
-        out = {b.name: torch.zeros(b.shape, dtype=dtype_of(b.dtype)) for b in lay.ranks[rank]}
-        for b in lay.ranks[rank] if fill else ():
-            for p in b.pieces:
-                init_box(p.view(out[b.name]), 9, p.tensor, p.box.offset, shapes[p.tensor])
-        return out
-
     store, sock = serve_store("127.0.0.1", 10.0)
     S = src.world
-    ranks = [("src", r, held(src, r, True)) for r in range(S)] + [("dst", r, held(dst, r, False)) for r in range(dst.world)]
+    ranks = [("src", r, buffers(src, r, shapes, 9)) for r in range(S)] + [("dst", r, buffers(dst, r, shapes, None)) for r in range(dst.world)]
     results, errors = {}, []
 
     def run(side, rank, bufs):
@@ -1225,9 +1209,5 @@ def test_ipc_session_steps_move_every_piece_and_sum_alike(monkeypatch):
     landed = {k: v for r in range(dst.world) for k, v in results[("dst", r)][0].items()}
     assert sent == landed and landed
     for side, r, bufs in ranks[S:]:
-        for b in dst.ranks[r]:
-            for p in b.pieces:
-                want = torch.empty(p.box.size, dtype=dtype_of(b.dtype))
-                init_box(want, 9, p.tensor, p.box.offset, shapes[p.tensor])
-                assert torch.equal(p.view(bufs[b.name]), want), (r, b.name, p.tensor)
+        assert_canonical(dst, r, bufs, shapes, 9)
     assert sum(results[("dst", r)][1] for r in range(dst.world)) == plan.total_bytes
