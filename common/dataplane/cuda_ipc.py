@@ -137,7 +137,10 @@ def run_plan_from_peers(plan: Plan, rank: int, src_buffers: dict[int, dict[str, 
 class SessionStore:
     """A rank's client of the session's rendezvous store (the trainer controller's, under the
     session's secret): the keys of CUDA IPC handles and completion marks. Every wait polls
-    against a deadline and fails at once on an abort."""
+    against a deadline and fails at once on an abort. The store lives as long as the trainer
+    controller, so keys do not pile up: a key read by its one reader is taken (read and
+    deleted), and a key put in a `slot` deletes the one this rank put there last (an earlier
+    update's, read or left by a failure)."""
 
     def __init__(self, store_host: str, store_port: int, session: str, rank: int, timeout_s: float, key: str = "") -> None:
         from torch.distributed import PrefixStore, TCPStore
@@ -150,6 +153,7 @@ class SessionStore:
             raise TransportError(f"session {session} (rank {rank}): the rendezvous store at "
                                  f"{store_host}:{store_port} is unreachable: {str(e).splitlines()[0]}") from None
         self._store = PrefixStore(f"reshard/{key or session}/ipc", store)
+        self._slots: dict[str, str] = {}
 
     def abort(self, reason: str) -> None:
         self.aborted = self.aborted or reason
@@ -163,9 +167,18 @@ class SessionStore:
         if self._store is None:
             raise TransportError(f"session {self.session} is closed")
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: bytes, slot: str = "") -> None:
         self._usable()
+        last = self._slots.get(slot) if slot else None
+        if last is not None and last != key:
+            self._store.delete_key(last)
+        if slot:
+            self._slots[slot] = key
         self._store.set(key, value)
+
+    def delete(self, key: str) -> None:
+        self._usable()
+        self._store.delete_key(key)
 
     def wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
         """Until every key is in the store: fails at the deadline or at once on an abort."""
@@ -179,9 +192,13 @@ class SessionStore:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, take: bool = False) -> bytes:
+        """The key's value; with `take` (its one reader), deleted from the store too."""
         self._usable()
-        return bytes(self._store.get(key))
+        value = bytes(self._store.get(key))
+        if take:
+            self._store.delete_key(key)
+        return value
 
 
 class IpcTransport(Transport):
@@ -246,7 +263,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
     """One rank's share of an update in a CUDA IPC session: (checksums, bytes, checksum seconds)."""
     if side == "src":
         total = plan.send_bytes(rank)
-        t.store.put(f"{update_id}/handles/{rank}", export_buffers(buffers))
+        t.store.put(f"{update_id}/handles/{rank}", export_buffers(buffers), slot="handles")
         t0 = time.perf_counter()
         sums = source_checksums(plan, rank, buffers, shapes)
         csum = time.perf_counter() - t0
@@ -254,6 +271,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
         # The buffers stay as they are until every destination rank that reads them is done.
         t.store.wait_keys([f"{update_id}/read/{d}" for d in readers], deadline,
                     f"destination ranks {readers} did not finish reading this rank's buffers in time")
+        t.store.delete(f"{update_id}/handles/{rank}")  # every reader has mapped and dropped them
         if progress:
             progress(total, total)
         return sums, total, csum
@@ -271,7 +289,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
     pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
     sums = receiver_checksums(plan, rank, buffers, pieces, shapes)  # what landed, read where it landed
     csum = time.perf_counter() - t0
-    t.store.put(f"{update_id}/read/{rank}", b"1")
+    t.store.put(f"{update_id}/read/{rank}", b"1", slot="read")  # read by each source: the next update's deletes it
     if progress:
         progress(nbytes, nbytes)
     return sums, nbytes, csum

@@ -179,11 +179,11 @@ def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: 
     """One rank's share of an update in a hybrid session: (checksums, bytes, checksum seconds)."""
     me, where = t.rank, t.placement.describe
     if t.host != me:  # a guest: its GPU's host writes its pieces
-        t.store.put(f"{update_id}/handles/{me}", export_buffers(buffers))
+        t.store.put(f"{update_id}/handles/{me}", export_buffers(buffers), slot="handles")
         connected()
         mark = f"{update_id}/written/{me}"
         t.store.wait_keys([mark], deadline, f"{where(t.host)}, the host of this GPU, did not write this rank's pieces in time")
-        said = t.store.get(mark)
+        said = t.store.get(mark, take=True)
         if said != b"ok":
             raise TransportError(f"{where(t.host)}, the host of this GPU, failed: {said.decode(errors='replace')}")
         t0 = time.perf_counter()
@@ -197,7 +197,7 @@ def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: 
     if t.guest is not None:
         key = f"{update_id}/handles/{t.guest}"
         t.store.wait_keys([key], deadline, f"{where(t.guest)}, on this GPU, did not publish its buffers' handles in time")
-        guest = (t.guest - plan.src_world, import_buffers(t.store.get(key), t.device.index))
+        guest = (t.guest - plan.src_world, import_buffers(t.store.get(key, take=True), t.device.index))
     try:
         engine = Engine(t, plan, side, rank, buffers, shapes, pool, deadline, progress=progress, checksums=side == "src",
                         hook=hook, receiver_sums=side == "dst", guest=guest)
@@ -209,11 +209,11 @@ def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: 
             guest[1].clear()
             if t.store is not None and not t.aborted:
                 try:
-                    t.store.put(f"{update_id}/written/{t.guest}", str(e).encode() or type(e).__name__.encode())
+                    t.store.put(f"{update_id}/written/{t.guest}", str(e).encode() or type(e).__name__.encode(), slot="written")
                 except Exception:  # noqa: BLE001 - the guest then fails at its deadline or abort
                     pass
         raise
     if guest is not None:
         guest[1].clear()  # the mappings go before the guest reads or changes its buffers
-        t.store.put(f"{update_id}/written/{t.guest}", b"ok")
+        t.store.put(f"{update_id}/written/{t.guest}", b"ok", slot="written")
     return sums, engine.bytes_done, engine.checksum_seconds

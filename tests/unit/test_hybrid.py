@@ -85,6 +85,9 @@ def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0):
         th.start()
     for th in threads:
         th.join(60)
+    # What the session's steps leave in the store (it lives as long as the trainer controller).
+    results["left"] = [k for r in range(len(gpus)) for k in (f"u1/handles/{r}", f"u1/written/{r}")
+                       if store.check([f"reshard/k/ipc/{k}"])]
     sock.close()
     return plan, shapes, ranks, results, t0
 
@@ -98,6 +101,7 @@ def test_hybrid_session_moves_every_piece_bit_exact(monkeypatch):
     plan, shapes, ranks, results, _ = _session(monkeypatch, ["a", "b", "a", "b", "c", "d"], src, dst)
     errors = [v for v in results.values() if isinstance(v, Exception)]
     assert not errors, errors
+    assert results["left"] == []  # each handle and mark was taken by its one reader
     S = src.world
     sent: dict = {}
     for r in range(S):

@@ -358,6 +358,14 @@ def test_ipc_session_waits_end_at_the_deadline_or_an_abort():
     a.store.put("u/handles/0", b"h0")
     b.store.wait_keys(["u/handles/0"], time.monotonic() + 5, "never")
     assert b.store.get("u/handles/0") == b"h0"
+    # Keys do not pile up in the controller's store: a slot's new key replaces its last, a taken key goes.
+    a.store.put("u1/read/0", b"1", slot="read")
+    a.store.put("u2/read/0", b"1", slot="read")
+    with pytest.raises(TransportError, match="gone"):
+        b.store.wait_keys(["u1/read/0"], time.monotonic() + 0.1, "gone")
+    assert b.store.get("u2/read/0", take=True) == b"1"
+    with pytest.raises(TransportError, match="taken"):
+        b.store.wait_keys(["u2/read/0"], time.monotonic() + 0.1, "taken")
     other = IpcTransport("127.0.0.1", port, "s", 1, 2, 5.0, device="cuda:0", key="another")
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="destination ranks \\[1\\] did not finish"):
@@ -1200,8 +1208,10 @@ def test_ipc_session_steps_move_every_piece_and_sum_alike(monkeypatch):
         th.start()
     for th in threads:
         th.join(30)
+    left = [k for r in range(S + dst.world) for k in (f"u1/handles/{r}", f"u1/read/{r - S}") if store.check([f"reshard/k/ipc/{k}"])]
     sock.close()
     assert not errors, errors
+    assert left == [f"u1/read/{d}" for d in range(dst.world)]  # handles deleted once read; one mark per reader
     sent: dict = {}
     for r in range(S):
         for k, v in results[("src", r)][0].items():
