@@ -3,14 +3,14 @@ may number one GPU differently in each process):
 
 - `ipc` when every worker's buffers are on one GPU (CUDA IPC, common/dataplane/cuda_ipc.py);
 - `hybrid` when some workers share a GPU and others are elsewhere, at most one trainer rank
-  and one inference rank per GPU (the colocated setup on several GPUs: NCCL between GPUs,
-  CUDA IPC within one, common/dataplane/hybrid.py);
+  per GPU (the colocated setup on several GPUs: NCCL between GPUs, CUDA IPC within one,
+  common/dataplane/hybrid.py);
 - `nccl` when each worker is on a GPU of its own;
 - `gloo` when every worker's buffers are on CPU;
 - or the one a flag forces, when it can work.
 
 A session that mixes CPU and CUDA workers is refused before any byte moves, naming the
-ranks on each side, and so is one with two ranks of one side on a GPU beside other GPUs."""
+ranks on each side, and so is one with two trainer ranks on a GPU beside other GPUs."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def select_backend(requested: str, trainer: Mapping[int, str], inference: Mappin
         raise BackendError("--backend hybrid needs every worker's GPU UUID, and some workers do not report one (an older "
                            "reshard); use --backend auto")
     if requested == "hybrid":
-        _one_per_side(trainer_gpus or {}, inference_gpus or {})
+        _one_trainer_per_gpu(trainer_gpus or {})
     if requested == "gloo" and gpu:
         raise BackendError(f"--backend gloo moves CPU buffers, but every worker's buffers are on CUDA ({where('cuda')}); "
                            "use --backend nccl or auto")
@@ -142,8 +142,8 @@ def select_backend(requested: str, trainer: Mapping[int, str], inference: Mappin
 def _sharing(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str], n_trainer: int, n_inference: int) -> str:
     """How the workers share GPUs: 'one' (every worker on one GPU: CUDA IPC), 'some' (some share a
     GPU, others are elsewhere: hybrid), 'none' (each on its own GPU: NCCL), or 'unknown' (a worker
-    that does not say, an older one: GPUs taken as distinct). Two trainer ranks, or two inference
-    ranks, on one GPU beside workers on other GPUs are refused by name (`_one_per_side`)."""
+    that does not say, an older one: GPUs taken as distinct). Two trainer ranks on one GPU beside
+    workers on other GPUs are refused by name (`_one_trainer_per_gpu`)."""
     known = [u for u in (*trainer_gpus.values(), *inference_gpus.values()) if u]
     if len(known) < n_trainer + n_inference:
         return "unknown"
@@ -151,17 +151,16 @@ def _sharing(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str],
         return "one"
     if len(set(known)) == len(known):
         return "none"
-    _one_per_side(trainer_gpus, inference_gpus)
+    _one_trainer_per_gpu(trainer_gpus)
     return "some"
 
 
-def _one_per_side(trainer_gpus: Mapping[int, str], inference_gpus: Mapping[int, str]) -> None:
-    for side, gpus in (("trainer", trainer_gpus), ("inference", inference_gpus)):
-        on: dict[str, list[int]] = {}
-        for r, u in sorted(gpus.items()):
-            on.setdefault(u, []).append(r)
-        for u, ranks in on.items():
-            if len(ranks) > 1:
-                raise BackendError(f"{side} ranks {ranks} share GPU {u}: a session across GPUs (hybrid: NCCL between "
-                                   "GPUs, CUDA IPC within one) takes at most one trainer rank and one inference rank per "
-                                   "GPU; put every worker on one GPU (ipc), or at most one of each side on each")
+def _one_trainer_per_gpu(trainer_gpus: Mapping[int, str]) -> None:
+    on: dict[str, list[int]] = {}
+    for r, u in sorted(trainer_gpus.items()):
+        on.setdefault(u, []).append(r)
+    for u, ranks in on.items():
+        if len(ranks) > 1:
+            raise BackendError(f"trainer ranks {ranks} share GPU {u}: a session across GPUs (hybrid: NCCL between GPUs, "
+                               "CUDA IPC within one) takes at most one trainer rank per GPU; put every worker on one GPU "
+                               "(ipc), or each trainer rank on its own")

@@ -16,9 +16,9 @@ and read once at the end. The host waits for round k only once ROUNDS_AHEAD late
 rounds are queued (bounding what is queued on the device behind a peer that may
 have died) and for the rest at the end; progress and the hook follow those waits.
 
-In a hybrid session (common/dataplane/hybrid.py) a source rank may also host the
-destination rank on its GPU (`guest`): it receives that rank's messages into its buffers
-(mapped through CUDA IPC) and writes what it sends it by device copies.
+In a hybrid session (common/dataplane/hybrid.py) a rank may also host the destination
+ranks on its GPU (`guests`): it receives their messages into their buffers (mapped
+through CUDA IPC), and a source rank writes what it sends them by device copies.
 """
 
 from __future__ import annotations
@@ -108,28 +108,28 @@ class Engine:
                  tensor_shapes: dict[str, tuple[int, ...]], pool: StagingPool, deadline: float,
                  progress: Callable[[int, int], None] | None = None, checksums: bool = True,
                  hook: Callable[[int], None] | None = None, dst_offset: int | None = None,
-                 receiver_sums: bool = False, guest: tuple[int, dict[str, torch.Tensor]] | None = None) -> None:
+                 receiver_sums: bool = False, guests: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         if side not in ("src", "dst"):
             raise ValueError(f"side must be 'src' or 'dst', not {side!r}")
-        if guest is not None and side != "src":
-            raise ValueError("only a source rank hosts a destination rank's receives")
+        if guests and any(m.relay for m in plan.messages):
+            raise ValueError("a rank hosting other ranks' receives runs plans without relays (PlanOptions(relay=False))")
         self.t, self.plan, self.side, self.rank = transport, plan, side, rank
         self.buffers, self.shapes, self.pool = buffers, tensor_shapes, pool
         self.deadline, self.progress, self.do_checksums, self.hook = deadline, progress, checksums, hook
         self.receiver_sums = receiver_sums and side == "dst"  # sum what lands, per piece, as it lands
-        # A hybrid session's source rank may host the destination rank on its GPU (`guest`: its rank and
-        # its buffers, mapped through CUDA IPC): it receives that rank's messages into them, and what it
-        # sends that rank itself is a device copy (`local`), no message.
-        self.guest, self.recv_buffers = (guest[0], guest[1]) if guest is not None else (None, buffers)
+        # A hybrid session's rank may host the destination ranks on its GPU (`guests`: destination rank ->
+        # its buffers, mapped through CUDA IPC): it receives their messages into them, and what a source
+        # rank sends them itself is a device copy (`local`), no message.
+        self.guests = dict(guests or {})
         self.local: list[Message] = []
         if side == "src":
             sends = plan.sends.get(rank, [])
-            self.work = [(m, "send") for m in sends if m.dst != self.guest]
-            if guest is not None:
-                self.local = [m for m in sends if m.dst == self.guest]
-                self.work += [(m, "recv") for m in plan.recvs.get(self.guest, []) if m.src != rank]
+            self.work = [(m, "send") for m in sends if m.dst not in self.guests]
+            self.local = [m for m in sends if m.dst in self.guests]
         else:
             self.work = [(m, "recv") for m in plan.recvs.get(rank, [])] + [(m, "send") for m in plan.relay_sends.get(rank, [])]
+        for g in sorted(self.guests):
+            self.work += [(m, "recv") for m in plan.recvs.get(g, []) if not (side == "src" and m.src == rank)]
         self.src_world = plan.src_world
         self.dst_offset = plan.src_world if dst_offset is None else dst_offset
         self.checksums: dict[PieceKey, int] = defaultdict(int)
@@ -137,8 +137,12 @@ class Engine:
         self.bytes_done = 0  # this rank's own bytes (a hosted rank's receives are its own to report)
         self.checksum_seconds = 0.0
 
-    def _own(self, role: str) -> bool:
-        return self.guest is None or role == "send"
+    def _own(self, m: Message, role: str) -> bool:
+        """Whether the item is this rank's own (a hosted rank's receives are its own to count and sum)."""
+        return role == "send" or (self.side == "dst" and m.dst == self.rank)
+
+    def _recv_buffers(self, m: Message) -> dict[str, torch.Tensor]:
+        return self.guests.get(m.dst, self.buffers)
 
     def _peer(self, m: Message, role: str) -> int:
         if role == "send":
@@ -194,7 +198,7 @@ class Engine:
     def _run(self) -> dict[PieceKey, int]:
         rounds = self._rounds()
         ordered = self.t.stream_ordered
-        total = sum(m.nbytes for m, role in self.work if self._own(role)) + sum(m.nbytes for m in self.local)
+        total = sum(m.nbytes for m, role in self.work if self._own(m, role)) + sum(m.nbytes for m in self.local)
         sizes = [sum(m.staged_bytes for m, role in r if self._staged(m, role)) for r in rounds]
         half = max(sizes, default=0)
         pool = self.pool.get(2 * half) if half else None
@@ -211,7 +215,7 @@ class Engine:
                 else:
                     seg = m.segments[0]
                     side = seg.src if role == "send" else seg.dst
-                    buf = _flat_bytes((self.buffers if role == "send" else self.recv_buffers)[side.buffer], side, seg.box.size)
+                    buf = _flat_bytes((self.buffers if role == "send" else self._recv_buffers(m))[side.buffer], side, seg.box.size)
                 out.append((m, role, buf))
             return out
 
@@ -226,7 +230,7 @@ class Engine:
             return not any(m.relay and role == "send" for m, role in rounds[i])
 
         def landed(i: int, items: list[tuple[Message, str, torch.Tensor]]) -> None:
-            self.bytes_done += sum(m.nbytes for m, role, _ in items if self._own(role))
+            self.bytes_done += sum(m.nbytes for m, role, _ in items if self._own(m, role))
             if self.progress:
                 self.progress(self.bytes_done, total)
             if self.hook:
@@ -259,7 +263,7 @@ class Engine:
                 (w.device_wait if ordered else w.wait)(self._remaining())
             for m, role, buf in current:
                 if role == "recv" and self._staged(m, role):
-                    unpack(m, self.recv_buffers, buf)
+                    unpack(m, self._recv_buffers(m), buf)
             if not ordered:
                 landed(i, current)
             done, done_works = current, works
@@ -279,12 +283,12 @@ class Engine:
         return dict(self.checksums)
 
     def _copy_local(self, total: int) -> None:
-        """What this rank sends the destination rank it hosts: one device copy per segment (cast where
+        """What this rank sends the destination ranks it hosts: one device copy per segment (cast where
         the plan says), summed as the destination will hold it."""
         for m in self.local:
             for seg in m.segments:
                 view = seg.src.view(self.buffers[seg.src.buffer], seg.box.size)
-                seg.dst.view(self.recv_buffers[seg.dst.buffer], seg.box.size).copy_(view)
+                seg.dst.view(self.guests[m.dst][seg.dst.buffer], seg.box.size).copy_(view)
                 if self.do_checksums:
                     self._sender_checksum(m.dst, seg, view if view.dtype == dtype_of(seg.dst_dtype) else view.to(dtype_of(seg.dst_dtype)))
             self.bytes_done += m.nbytes
@@ -296,7 +300,7 @@ class Engine:
         place in its buffer): VERIFY then compares numbers instead of reading every piece."""
         t0 = time.perf_counter()
         for m, role, _ in items:
-            if role != "recv":
+            if role != "recv" or m.dst != self.rank:  # a hosted rank sums what it holds itself
                 continue
             for seg in m.segments:
                 if seg.dst_piece < 0:

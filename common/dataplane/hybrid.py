@@ -1,29 +1,29 @@
 """Hybrid sessions: NCCL between GPUs, CUDA IPC within one.
 
-The colocated RL setup on several GPUs puts a trainer rank and an inference rank on each
-GPU (in separate processes). NCCL cannot hold two ranks of one GPU in a communicator, so
-such a session gives each GPU one place in it: its *host*, the lowest session rank on it
-(the trainer rank, where there is one). The other rank on that GPU, its *guest*, takes no
-part in NCCL: it puts CUDA IPC handles of its buffers in the session's rendezvous store,
-and its host maps them and does the guest's share of the plan into them, while it does
-its own:
+The colocated RL setup on several GPUs puts a trainer rank and an inference rank (or a few
+inference ranks: small replicas) on each GPU, in separate processes. NCCL cannot hold two
+ranks of one GPU in a communicator, so such a session gives each GPU one place in it: its
+*host*, the lowest session rank on it (the trainer rank, where there is one). The other
+ranks on that GPU, its *guests* (inference ranks), take no part in NCCL: each puts CUDA IPC
+handles of its buffers in the session's rendezvous store, and the host maps them and does
+the guests' shares of the plan into them, while it does its own:
 
-- what the host sends its guest is one device copy per segment, no message;
-- what other GPUs send the guest arrives at the host over NCCL, straight into the
-  guest's buffers (or through the host's staging, then unpacked into them);
-- what the host sends other GPUs goes over NCCL as in any session.
+- what the host sends a guest is one device copy per segment, no message;
+- what other GPUs send a guest arrives at the host over NCCL, straight into the guest's
+  buffers (or through the host's staging, then unpacked into them);
+- what the host sends other GPUs, or receives for itself, goes over NCCL as in any session.
 
-The host then marks the guest's pieces written (or says why not), drops its mappings, and
-the guest sums what landed in its own buffers for VERIFY, as every destination rank does.
-So the bytes cross each GPU boundary once, over NCCL, and never stage through a second
-copy on the GPU that shares them: the two-hop alternative (reshard among the trainer
-ranks, then IPC) would hold a second copy of the inference weights on every GPU.
+The host then drops its mappings and marks each guest's pieces written (or says why not),
+and each guest sums what landed in its own buffers for VERIFY, as every destination rank
+does. So the bytes cross each GPU boundary once, over NCCL, and never stage through a
+second copy on the GPU that shares them: the two-hop alternative (reshard among the
+trainer ranks, then IPC) would hold a second copy of the inference weights on every GPU.
 
-Limits: each GPU holds at most one trainer rank and at most one inference rank (two of
-one side on one GPU are refused by name); plans have no relays, as in IPC sessions; the
+Limits: each GPU holds at most one trainer rank (two are refused by name: a guest's sends
+would need its sums reported by its host); plans have no relays, as in IPC sessions; the
 `serialized` method needs messages between every rank and is refused. Every wait polls
 against the update's deadline and fails at once on an abort; a host that fails marks its
-guest's pieces failed, so the guest fails at once with the host's reason.
+guests' pieces failed, so they fail at once with the host's reason.
 """
 
 from __future__ import annotations
@@ -54,16 +54,15 @@ class Placement:
         for r, u in enumerate(gpus):
             on.setdefault(u, []).append(r)
         for u, ranks in on.items():
-            for side, mine in (("trainer", [r for r in ranks if r < src_world]),
-                               ("inference", [r - src_world for r in ranks if r >= src_world])):
-                if len(mine) > 1:
-                    raise TransportError(f"{side} ranks {mine} share GPU {u}: a hybrid session takes at most one trainer "
-                                         "rank and one inference rank per GPU")
+            trainers = [r for r in ranks if r < src_world]
+            if len(trainers) > 1:
+                raise TransportError(f"trainer ranks {trainers} share GPU {u}: a hybrid session takes at most one "
+                                     "trainer rank per GPU")
         order = list(on)  # GPUs in the order of their lowest session rank: trainer worker 0's comes first
         self.hosts = [on[u][0] for u in gpus]
         self.comm = [order.index(u) for u in gpus]
         self.world = len(order)
-        self.guests = {ranks[0]: ranks[1] for ranks in on.values() if len(ranks) > 1}  # host -> guest (session ranks)
+        self.guests = {ranks[0]: ranks[1:] for ranks in on.values() if len(ranks) > 1}  # host -> its guests (session ranks)
 
     def describe(self, r: int) -> str:
         return f"trainer rank {r}" if r < self.src_world else f"inference rank {r - self.src_world}"
@@ -98,7 +97,7 @@ class HybridTransport(Transport):
                  on_connecting: Callable[[Transport], None] | None = None) -> None:
         self.placement, self.rank, self.device = placement, rank, torch.device(device)
         self.host = placement.hosts[rank]
-        self.guest = placement.guests.get(rank)  # the session rank this rank moves bytes for, besides its own
+        self.guests: list[int] = placement.guests.get(rank, [])  # the session ranks it moves bytes for, besides its own
         self.net: Transport | None = None
         self.store: SessionStore | None = None
         self._lock = threading.Lock()
@@ -193,27 +192,30 @@ def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: 
         if progress:
             progress(total, total)
         return sums, total, time.perf_counter() - t0
-    guest = None
-    if t.guest is not None:
-        key = f"{update_id}/handles/{t.guest}"
-        t.store.wait_keys([key], deadline, f"{where(t.guest)}, on this GPU, did not publish its buffers' handles in time")
-        guest = (t.guest - plan.src_world, import_buffers(t.store.get(key, take=True), t.device.index))
+    S = plan.src_world
+    for g in t.guests:
+        t.store.wait_keys([f"{update_id}/handles/{g}"], deadline,
+                          f"{where(g)}, on this GPU, did not publish its buffers' handles in time")
+    guests = {g - S: import_buffers(t.store.get(f"{update_id}/handles/{g}", take=True), t.device.index) for g in t.guests}
+
+    def mark(said: bytes) -> None:
+        for g in guests.values():
+            g.clear()  # the mappings go before the guests read or change their buffers
+        for g in t.guests:
+            t.store.put(f"{update_id}/written/{g}", said, slot=f"written/{g}")
+
     try:
         engine = Engine(t, plan, side, rank, buffers, shapes, pool, deadline, progress=progress, checksums=side == "src",
-                        hook=hook, receiver_sums=side == "dst", guest=guest)
+                        hook=hook, receiver_sums=side == "dst", guests=guests)
         t.warm_up(*engine.peers(), max(0.0, deadline - time.monotonic()))
         connected()
         sums = engine.run()  # the copy stream has landed every piece when it returns
     except BaseException as e:
-        if guest is not None:
-            guest[1].clear()
-            if t.store is not None and not t.aborted:
-                try:
-                    t.store.put(f"{update_id}/written/{t.guest}", str(e).encode() or type(e).__name__.encode(), slot="written")
-                except Exception:  # noqa: BLE001 - the guest then fails at its deadline or abort
-                    pass
+        if t.guests and t.store is not None and not t.aborted:
+            try:
+                mark(str(e).encode() or type(e).__name__.encode())
+            except Exception:  # noqa: BLE001 - the guests then fail at their deadline or abort
+                pass
         raise
-    if guest is not None:
-        guest[1].clear()  # the mappings go before the guest reads or changes its buffers
-        t.store.put(f"{update_id}/written/{t.guest}", b"ok", slot="written")
+    mark(b"ok")
     return sums, engine.bytes_done, engine.checksum_seconds

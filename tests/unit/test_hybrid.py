@@ -27,11 +27,34 @@ def test_placement_gives_each_gpu_one_host():
     # trainer ranks 0, 1 on GPUs a, b; inference ranks 0..3 on a, b, c, d (session ranks 2..5)
     p = Placement(["a", "b", "a", "b", "c", "d"], src_world=2)
     assert p.hosts == [0, 1, 0, 1, 4, 5] and p.comm == [0, 1, 0, 1, 2, 3] and p.world == 4
-    assert p.guests == {0: 2, 1: 3}
-    with pytest.raises(TransportError, match=r"inference ranks \[0, 1\] share GPU b"):
-        Placement(["a", "b", "b", "b"], src_world=2)
+    assert p.guests == {0: [2], 1: [3]}
+    # two inference ranks beside trainer rank 1; two alone on GPU c: the lower one hosts the other
+    p = Placement(["a", "b", "b", "b", "c", "c"], src_world=2)
+    assert p.hosts == [0, 1, 1, 1, 4, 4] and p.comm == [0, 1, 1, 1, 2, 2] and p.guests == {1: [2, 3], 4: [5]}
+    with pytest.raises(TransportError, match=r"trainer ranks \[0, 1\] share GPU a"):
+        Placement(["a", "a", "b", "b"], src_world=2)
     with pytest.raises(TransportError, match=r"session ranks \[3\] have none"):
         Placement(["a", "b", "a", ""], src_world=2)
+
+
+def test_hosts_with_several_guests_and_an_inference_host(monkeypatch):
+    """Trainer TP=2 on GPUs a, b; vLLM TP=2 DP=3: ranks 0, 1 on a beside trainer rank 0 (its two
+    guests), rank 2 on b (trainer rank 1's), ranks 3, 4, 5 on c with no trainer (rank 3 hosts 4 and 5,
+    receiving for itself and for them). Bit-exact, sums equal, every byte counted once."""
+    src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2,dp=3")
+    plan, shapes, ranks, results, _ = _session(monkeypatch, ["a", "b", "a", "a", "b", "c", "c", "c"], src, dst)
+    errors = [v for v in results.values() if isinstance(v, Exception)]
+    assert not errors, errors
+    assert results["left"] == []
+    sent: dict = {}
+    for r in range(src.world):
+        for k, v in results[("src", r)][0].items():
+            sent[k] = (sent.get(k, 0) + v) % P
+    assert sent == {k: v for r in range(dst.world) for k, v in results[("dst", r)][0].items()}
+    for _, r, bufs in ranks[src.world:]:
+        assert_canonical(dst, r, bufs, shapes, 7)
+    assert [results[("dst", r)][1] for r in range(dst.world)] == [plan.recv_bytes(r) for r in range(dst.world)]
+    assert sum(results[("src", r)][1] for r in range(src.world)) == plan.total_bytes
 
 
 def test_a_session_must_name_every_ranks_gpu_and_carry_an_nccl_id():
@@ -142,7 +165,7 @@ def test_a_guest_that_never_publishes_fails_its_host_at_the_deadline_and_an_abor
         return None
 
     host = HybridTransport(placement, 0, lambda: SessionStore("127.0.0.1", port, "s", 0, 5.0, "k"), net)
-    assert made and host.guest == 1 and host.host == 0
+    assert made and host.guests == [1] and host.host == 0
     src, dst = build("tiny", "framework=megatron,tp=1"), build("tiny", "framework=vllm,tp=1")
     plan = make_plan(src, dst, plan_options(0, "hybrid"))
     shapes = {n: t.shape for n, t in src.tensors.items()}
