@@ -238,7 +238,9 @@ def test_hybrid_hosts_over_the_fake_nccl_address_comm_ranks_and_land_bit_exact(m
     sock.close()
     assert not isinstance(out[2], Exception), out[2]
     assert 2 not in libs  # the guest joined no communicator
-    assert {p for c in libs[0].calls if c[0] in ("send", "recv") for p in [c[1]]} <= {1, 2}  # comm ranks, never 0 or 3
+    # Trainer 0's host sends to inference rank 1 (communicator rank 2, session rank 3) and receives its
+    # guest's pieces from trainer rank 1 (communicator rank 1): communicator ranks, never session ranks.
+    assert {(c[0], c[1]) for c in libs[0].calls if c[0] in ("send", "recv")} == {("send", 2), ("recv", 1)}
     assert not any(wire.values()), "messages sent but never received"
     for me, r in ((2, 0), (3, 1)):
         assert_canonical(dst, r, bufs[me], shapes, 7)
