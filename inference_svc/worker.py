@@ -175,7 +175,7 @@ class InferenceWorker(WorkerBase):
         self._verifying = v.update_id  # from here, its peers may commit: see on_controller_lost
         faults.at_phase("inference-worker", "VERIFY", self.rank)
         plan, dst = self.prepared(v.update_id)
-        pieces = {(b.name, i): p for b in dst.ranks[self.rank] for i, p in enumerate(b.pieces)}
+        pieces = dst.rank_pieces(self.rank)
         uid, landed = self._landed
         await asyncio.get_running_loop().run_in_executor(self._dp, check_rank, plan, self.rank, v.expected,
                                                          self.transfer_buffers(), pieces, self.shapes, self.box_checksum,

@@ -161,8 +161,7 @@ class RankBench:
             for k, v in pickle.loads(data.numpy().tobytes()):
                 sent[k] = (sent[k] + v) % P
         expected = self.plan.expected_checksums(dict(sent))
-        pieces = {(b.name, i): p for b in self.dst.ranks[self.index] for i, p in enumerate(b.pieces)}
-        got = receiver_checksums(self.plan, self.index, self.buffers, pieces, self.shapes)
+        got = receiver_checksums(self.plan, self.index, self.buffers, self.dst, self.shapes)
         return all(k in expected and expected[k] % P == v for k, v in got.items())
 
     def _serialized(self, deadline: float) -> Outcome:

@@ -286,8 +286,7 @@ def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, b
     finally:
         mapped.clear()  # the mappings go before the sources may change
     t0 = time.perf_counter()
-    pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
-    sums = receiver_checksums(plan, rank, buffers, pieces, shapes)  # what landed, read where it landed
+    sums = receiver_checksums(plan, rank, buffers, dst, shapes)  # what landed, read where it landed
     csum = time.perf_counter() - t0
     t.store.put(f"{update_id}/read/{rank}", b"1", slot="read")  # read by each source: the next update's deletes it
     if progress:

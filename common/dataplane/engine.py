@@ -33,7 +33,7 @@ import torch
 
 from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor, read_sums
 from reshard.common.dataplane.transport import Transport, TransportError, Work
-from reshard.common.layout.core import dtype_of
+from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Message, Plan, Segment, Side
 
 log = logging.getLogger("reshard.engine")
@@ -310,13 +310,14 @@ class Engine:
         self.checksum_seconds += time.perf_counter() - t0
 
 
-def receiver_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], layout_pieces, shapes) -> dict[PieceKey, int]:
+def receiver_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], dst: Layout, shapes) -> dict[PieceKey, int]:
     """Checksum every destination piece this rank receives in `plan`, from what it holds now (on a
     GPU, queued there and read back once)."""
     out: dict[PieceKey, int] = {}
     queued: dict[PieceKey, torch.Tensor] = {}
+    pieces = dst.rank_pieces(rank)
     for (bname, pi) in sorted(plan.expected_pieces(rank)):
-        piece = layout_pieces[(bname, pi)]
+        piece = pieces[(bname, pi)]
         view = piece.view(buffers[bname])
         if view.device.type == "cpu":
             out[(rank, bname, pi)] = box_checksum(view, piece.box.offset, shapes[piece.tensor])

@@ -186,8 +186,7 @@ def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: 
         if said != b"ok":
             raise TransportError(f"{where(t.host)}, the host of this GPU, failed: {said.decode(errors='replace')}")
         t0 = time.perf_counter()
-        pieces = {(b.name, i): p for b in dst.ranks[rank] for i, p in enumerate(b.pieces)}
-        sums = receiver_checksums(plan, rank, buffers, pieces, shapes)  # what landed, read where it landed
+        sums = receiver_checksums(plan, rank, buffers, dst, shapes)  # what landed, read where it landed
         total = plan.recv_bytes(rank)
         if progress:
             progress(total, total)

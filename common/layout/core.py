@@ -65,6 +65,10 @@ class Layout:
                 return b
         raise KeyError(f"rank {rank} has no buffer {name!r}")
 
+    def rank_pieces(self, rank: int) -> dict[tuple[str, int], Piece]:
+        """A rank's pieces by (buffer name, index in the buffer): how plans and checksums name them."""
+        return {(b.name, i): p for b in self.ranks[rank] for i, p in enumerate(b.pieces)}
+
     @property
     def payload_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

@@ -120,8 +120,22 @@ class Box:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offset, self.size)) + "]"
 
 
+class _Sized:
+    """numel and nbytes of a value with a `shape` and a `dtype` (a canonical tensor, a local buffer)."""
+
+    __slots__ = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class TensorSpec:
+class TensorSpec(_Sized):
     """A canonical tensor: name, global shape, dtype."""
 
     name: str
@@ -134,14 +148,6 @@ class TensorSpec:
             raise LayoutError("a canonical tensor needs a name")
         if any(s <= 0 for s in self.shape):
             raise LayoutError(f"tensor {self.name!r}: shape {self.shape} has a non-positive size")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -220,7 +226,7 @@ def flat_pieces(tensor: str, shape: Sequence[int], start: int, end: int, buffer_
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LocalBuffer:
+class LocalBuffer(_Sized):
     """One tensor a worker owns: made of pieces, plus declared padding."""
 
     name: str
@@ -228,11 +234,3 @@ class LocalBuffer:
     dtype: str
     pieces: tuple[Piece, ...]
     padding: tuple[Box, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)

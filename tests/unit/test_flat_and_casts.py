@@ -437,8 +437,8 @@ def run_engines(plan, src: Layout, dst: Layout, sbufs, dbufs, shapes) -> None:
     for d in range(dst.world):
         landed = Engine(Loopback(src.world + d, wire), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline,
                         receiver_sums=True).run()
-        pieces = {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
-        got = receiver_checksums(plan, d, dbufs[d], pieces, shapes)
+        pieces = dst.rank_pieces(d)
+        got = receiver_checksums(plan, d, dbufs[d], dst, shapes)
         assert got == {k: v for k, v in sent.items() if k[0] == d}, f"dst rank {d}: checksums differ"
         assert {k: v for k, v in got.items() if k in landed} == landed, f"dst rank {d}: sums taken as bytes landed differ"
         verify.check_rank(plan, d, verify.rank_expected(plan, d, values), dbufs[d], pieces, shapes)

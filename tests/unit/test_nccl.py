@@ -416,8 +416,7 @@ def test_ipc_source_checksums_match_what_lands():
             sent[k] = (sent.get(k, 0) + v) % P
     landed = {}
     for r in range(dst.world):
-        pieces = {(b.name, i): p for b in dst.ranks[r] for i, p in enumerate(b.pieces)}
-        landed.update(receiver_checksums(plan, r, db[r], pieces, shapes))
+        landed.update(receiver_checksums(plan, r, db[r], dst, shapes))
     assert sent == landed and len(sent) > 10
     before = source_checksums(plan, 1, sb[1], shapes)
     name = next(b.name for b in src.ranks[1] if b.pieces)
@@ -983,8 +982,7 @@ def test_stream_ordered_engine_queues_rounds_and_waits_on_the_device(monkeypatch
         out = {"w": torch.full((64, 48), float("nan")), "v": torch.zeros(64, 96, dtype=torch.bfloat16)}
         landed = Engine(t, plan, "dst", d, out, shapes, StagingPool(), deadline, receiver_sums=True).run()
         assert torch.equal(out["w"], full["w"][:, (d % 2) * 48 : (d % 2) * 48 + 48]) and torch.equal(out["v"], full["v"])
-        pieces = {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
-        got = receiver_checksums(plan, d, out, pieces, shapes)
+        got = receiver_checksums(plan, d, out, dst, shapes)
         assert got == {k: v for k, v in sent.items() if k[0] == d} and {k: got[k] for k in landed} == landed
         events = _round_events(cuda.log)
         mine = sorted({m.round for m in plan.recvs.get(d, []) + plan.relay_sends.get(d, [])})

@@ -39,10 +39,6 @@ def transfer(model, src_spec, dst_spec, tensors=None):
     return plan, dst, full, shapes, reports, got
 
 
-def pieces_of(dst, d):
-    return {(b.name, i): p for b in dst.ranks[d] for i, p in enumerate(b.pieces)}
-
-
 @pytest.mark.parametrize("model,src,dst", PAIRS)
 def test_every_rank_verifies_every_piece_against_an_independent_checksum(model, src, dst):
     plan, layout, full, shapes, reports, got = transfer(model, src, dst)
@@ -50,13 +46,13 @@ def test_every_rank_verifies_every_piece_against_an_independent_checksum(model, 
     values = verify.merge_reports(plan, reports)
     for d in range(layout.world):
         expected = verify.rank_expected(plan, d, values)
-        verify.check_rank(plan, d, expected, got[d], pieces_of(layout, d), shapes)
-        verify.check_rank(plan, d, expected, got[d], pieces_of(layout, d), shapes, landed=transfer.landed[d])
+        verify.check_rank(plan, d, expected, got[d], layout.rank_pieces(d), shapes)
+        verify.check_rank(plan, d, expected, got[d], layout.rank_pieces(d), shapes, landed=transfer.landed[d])
         # Independent: each piece's checksum computed from the canonical tensors, in the rank's order.
         keys, _ = plan.verify_pieces(d)
-        assert sorted(keys) == sorted(pieces_of(layout, d)), "a rank verifies every piece it holds"
+        assert sorted(keys) == sorted(layout.rank_pieces(d)), "a rank verifies every piece it holds"
         want = [box_checksum(full[p.tensor][p.box.slices()], p.box.offset, shapes[p.tensor])
-                for p in (pieces_of(layout, d)[k] for k in keys)]
+                for p in (layout.rank_pieces(d)[k] for k in keys)]
         assert np.frombuffer(expected.values, dtype="<u4").tolist() == want
 
 
@@ -67,25 +63,25 @@ def test_one_wrong_element_or_one_wrong_sum_is_named(model, src, dst):
     d = max(plan.primary_of)  # a replica: it checks its head's slots
     keys, _ = plan.verify_pieces(d)
     bname, i = keys[len(keys) // 2]
-    piece = pieces_of(layout, d)[(bname, i)]
+    piece = layout.rank_pieces(d)[(bname, i)]
     view = piece.view(got[d][bname]).reshape(-1)
     view[0] = view[0] + 1
     with pytest.raises(LayoutError, match=f"inference rank {d}: tensor '{piece.tensor}'"):
-        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], pieces_of(layout, d), shapes)
+        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], layout.rank_pieces(d), shapes)
     view[0] = view[0] - 1
     if transfer.landed[d]:  # what the engine summed as bytes landed is compared the same way
         landed = dict(transfer.landed[d])
         k = next(iter(landed))
         landed[k] = (landed[k] + 1) % P
         with pytest.raises(LayoutError, match="checksum mismatch"):
-            verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], pieces_of(layout, d), shapes,
+            verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], layout.rank_pieces(d), shapes,
                               landed=landed)
     bad = values.copy()
     bad[0] = (int(bad[0]) + 1) % P
     failed = 0
     for r in range(layout.world):
         try:
-            verify.check_rank(plan, r, verify.rank_expected(plan, r, bad), got[r], pieces_of(layout, r), shapes)
+            verify.check_rank(plan, r, verify.rank_expected(plan, r, bad), got[r], layout.rank_pieces(r), shapes)
         except LayoutError:
             failed += 1
     assert failed >= 1
@@ -98,8 +94,8 @@ def test_partial_update_verifies_only_its_tensors():
     values = verify.merge_reports(plan, reports)
     for d in range(layout.world):
         keys, _ = plan.verify_pieces(d)
-        assert keys and all(pieces_of(layout, d)[k].tensor in names for k in keys)
-        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], pieces_of(layout, d), shapes)
+        assert keys and all(layout.rank_pieces(d)[k].tensor in names for k in keys)
+        verify.check_rank(plan, d, verify.rank_expected(plan, d, values), got[d], layout.rank_pieces(d), shapes)
 
 
 def test_reports_are_checked_against_the_plan():
@@ -115,4 +111,4 @@ def test_reports_are_checked_against_the_plan():
     with pytest.raises(LayoutError, match="outside the plan"):
         verify.merge_reports(plan, [out])
     with pytest.raises(LayoutError, match="expected checksums"):
-        verify.check_rank(plan, 0, verify.dense(plan, np.zeros(1, np.uint32)), got[0], pieces_of(layout, 0), shapes)
+        verify.check_rank(plan, 0, verify.dense(plan, np.zeros(1, np.uint32)), got[0], layout.rank_pieces(0), shapes)
