@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # annotations only: importing this module does not import tor
     import torch
 
 from reshard.common.control.faults import ACTIONS, PHASES, ROLES, Fault
-from reshard.common.control.rpc import CHANNEL_OPTIONS
+from reshard.common.control.rpc import RECONNECT_S
 from reshard.common.control.supervisor import module_command
 from reshard.common.layout.core import dtype_of
 from reshard.common.models.presets import model_config
@@ -55,7 +55,6 @@ from reshard.proto import reshard_pb2_grpc as rgrpc
 CONTROLLERS = ("trainer", "inference")
 # The trainer reaches a restarted inference controller within its channel's longest reconnect
 # backoff (common/control/rpc.py), gRPC's jitter of 20% included; until then its calls there fail at once.
-RECONNECT_S = dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000 * 1.2
 CHECKPOINT_RUN = "checkpoint"  # what standalone inference workers load at start (synthetic step 0)
 RUN = "chaos"
 

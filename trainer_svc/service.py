@@ -18,7 +18,7 @@ import grpc
 from reshard.common.control import faults
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
 from reshard.common.control.methods import RESHARD, transfer_methods
-from reshard.common.control.rpc import Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
+from reshard.common.control.rpc import RECONNECT_S, Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
 from reshard.common.control.supervisor import module_command
 from reshard.common.dataplane.backend import BACKENDS, BackendError, plan_options, select_backend
 from reshard.common.dataplane.transport import serve_store
@@ -430,7 +430,9 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         known = d.dst[0] if d.dst else ""
         req = pb.GetLayoutRequest(known_fingerprint=known)
         try:
-            lr = await d.stub.GetLayout(req, timeout=self.deadlines.rpc_s)
+            # The update's first call to inference: an inference controller that came up (or back) while
+            # this channel was between connection attempts is waited for, not reported unreachable.
+            lr = await d.stub.GetLayout(req, timeout=min(self.deadlines.rpc_s, RECONNECT_S + 0.5), wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise UpdateFailed(f"inference at {d.address} unreachable: {status_error(e)}") from None
         self.hub.meter.add("GetLayoutRequest", req)

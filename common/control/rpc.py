@@ -29,6 +29,11 @@ CHANNEL_OPTIONS = [
     # and until it ends every call fails at once with the old "connection refused".
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# The longest a channel's next connection attempt can be away (the backoff above, with gRPC's 20%
+# jitter): a call that opens an exchange with a peer waits this long for a connection
+# (`wait_for_ready`), so a peer that came up during the backoff is reached, and a dead one still fails
+# within seconds.
+RECONNECT_S = dict(CHANNEL_OPTIONS)["grpc.max_reconnect_backoff_ms"] / 1000 * 1.2
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),

@@ -15,7 +15,7 @@ import torch
 from reshard.common.layout.core import dtype_of
 from reshard.common.models.frameworks import build
 
-from .cluster import Cluster, cli, dump_rpc, free_port
+from .cluster import Cluster, cli, dump_rpc, free_port, stop_processes
 
 pytestmark = pytest.mark.integration
 
@@ -78,3 +78,36 @@ def test_two_deployments_with_relays():
         if b.poll() is None:
             os.killpg(b.pid, signal.SIGKILL)
         c.close()
+
+
+def test_an_inference_controller_that_comes_up_after_the_trainer_is_updated_at_once():
+    """The trainer controller tried the inference address before it listened, so its channel is
+    between connection attempts (gRPC backs off up to 2 s) when inference comes up. An update asked
+    for right then waits for the connection instead of failing with "unreachable" (it did)."""
+    import socket
+
+    inf_port = free_port()
+    inf, tr = f"127.0.0.1:{inf_port}", f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", tr, "--workers", "1",
+                               "--model", "tiny", "--inference", inf, "--run", "late"],
+                              stderr=subprocess.DEVNULL, start_new_session=True)]
+    try:
+        deadline = time.monotonic() + 60
+        while cli("status", "--trainer", tr, "--json", timeout=60).returncode != 0:  # up, and trying inference
+            assert time.monotonic() < deadline, "the trainer controller did not come up"
+            time.sleep(0.5)
+        time.sleep(2.0)  # its attempts at the inference address have failed: the channel backs off
+        procs.append(subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "1",
+                                       "--model", "tiny"], stderr=subprocess.DEVNULL, start_new_session=True))
+        while True:  # the moment inference listens, not a status command's second later
+            try:
+                socket.create_connection(("127.0.0.1", inf_port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the inference controller did not come up"
+                time.sleep(0.05)
+        r = cli("update", "--trainer", tr, "--wait", "--json")
+        out = json.loads(r.stdout)
+        assert r.returncode == 0 and out["ok"] and out["verified"], (out, r.stderr)
+    finally:
+        stop_processes(procs)
