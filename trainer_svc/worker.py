@@ -11,6 +11,12 @@ and the handle is writable at once; otherwise it becomes writable when the
 controller is done with that version: every attached deployment has received it
 (or failed and will get a newer one). The stall is measured (`handle.stall_seconds`).
 
+The snapshot holds one version. A transfer reads it under a lock: a `publish()` that
+comes while the previous version is being sent waits for that read to end (the wait is
+its stall) rather than overwrite bytes in flight, and a transfer asked for a version the
+snapshot no longer holds (a newer publish came first) fails at once, naming both: the
+controller sends the newer one next. A version is never sent with another step's bytes.
+
 `run` names the training run (versions are (run, step)); left empty, the
 controller's run (`reshard trainer --run`) is used."""
 
@@ -25,6 +31,7 @@ import torch
 from reshard.common.control import faults
 from reshard.common.control.security import Security
 from reshard.common.control.worker import WorkerBase
+from reshard.common.dataplane.transport import TransportError
 from reshard.common.layout.core import LocalBuffer, TensorSpec
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
@@ -87,6 +94,8 @@ class TrainerWorker(WorkerBase):
                          security=security)
         self.run_id = run
         self.snapshot = {n: torch.empty_like(t) for n, t in self.live.items()} if snapshot else None
+        self._snap_lock = threading.Lock()  # held by a copy into the snapshot, and by a transfer reading it
+        self._snap_version: pb.Version | None = None  # the version the snapshot holds
         self._handles: list[PublishHandle] = []
         self._lock = threading.Lock()
 
@@ -118,22 +127,46 @@ class TrainerWorker(WorkerBase):
         if step < 0:
             raise ValueError(f"step must be >= 0, not {step}")
         version = pb.Version(run=run or self.run_id, step=step)
+        stall = 0.0
         if self.snapshot is not None:
-            for n, t in self.live.items():
-                self.snapshot[n].copy_(t)
-        if self.device.startswith("cuda"):
-            # The data plane reads on its own streams: what the caller's stream queued (the
-            # optimizer step, the snapshot) must have run first.
-            torch.cuda.current_stream(self.device).synchronize()
+            t0 = time.perf_counter()
+            with self._snap_lock:  # waits while a transfer still reads the previous version
+                stall = time.perf_counter() - t0
+                for n, t in self.live.items():
+                    self.snapshot[n].copy_(t)
+                self._sync_caller_stream()
+                self._snap_version = version
+        else:
+            self._sync_caller_stream()
         handle = PublishHandle(version, writable=self.snapshot is not None)
+        handle.stall_seconds = stall
         with self._lock:
             self._handles.append(handle)
         self.version = version
         self.emit(wpb.WorkerMessage(published=wpb.Published(version=version)))
         return handle
 
+    def _sync_caller_stream(self) -> None:
+        if self.device.startswith("cuda"):
+            # The data plane reads on its own streams: what the caller's stream queued (the
+            # optimizer step, the snapshot copy) must have run first.
+            torch.cuda.current_stream(self.device).synchronize()
+
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.snapshot if self.snapshot is not None else self.live
+
+    def _run_transfer(self, p, plan, src, dst):
+        """With a snapshot: send it only if it holds the update's version, and keep it from being
+        overwritten (by the next publish) until every byte left and every sum was taken."""
+        if self.snapshot is None:
+            return super()._run_transfer(p, plan, src, dst)
+        with self._snap_lock:
+            held = self._snap_version
+            if held is None or held.step != p.version.step or (held.run and p.version.run and held.run != p.version.run):
+                have = f"{held.run or '(run)'}:{held.step}" if held is not None else "nothing"
+                raise TransportError(f"trainer rank {self.rank}: its snapshot holds {have}, not "
+                                     f"{p.version.run}:{p.version.step} (a newer publish came first; that one is sent next)")
+            return super()._run_transfer(p, plan, src, dst)
 
     def _release_upto(self, step: int | None, ok: bool | None = None, error: str = "",
                       delivered: pb.Version | None = None) -> None:
