@@ -55,6 +55,8 @@ class _Update:
         self.world = world
         self.requests_at_start = 0
         self.tensors = 0
+        self.names: set[str] | None = set(req.tensors) if req.tensors else None  # what it carries (None: all)
+        self.all_names: tuple[str, ...] = ()  # every tensor of the deployment's layout
         self.begin_reply: pb.BeginUpdateReply | None = None  # a retried BeginUpdate gets it again
         self.note = ""  # recorded with the outcome (a rollback the operator allowed)
         self.finish: asyncio.Task | None = None  # verify + commit, run once whoever asks
@@ -83,7 +85,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self._sources: collections.OrderedDict[str, tuple[Layout, bytes]] = collections.OrderedDict()  # by fingerprint
         self._plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self._lock = asyncio.Lock()
-        self._not_serving = False  # an in-place update failed midway
+        self.torn: set[str] = set()  # tensors a failed in-place update left half-written: not served until carried again
         self.instance = uuid.uuid4().hex[:8]  # a restarted controller is a new membership
         self.finished: collections.OrderedDict[str, tuple[pb.FinishUpdateReply | None, str]] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
@@ -180,7 +182,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     def serving_state(self) -> str:
         alive = self.hub.alive()
-        if self._not_serving or not alive or all(w.held for w in alive):
+        if self.torn or not alive or all(w.held for w in alive):
             return "NOT_SERVING"
         if len(alive) < self.hub.world or any(w.held or w.stale for w in alive) or self.needs_repair():
             return "DEGRADED"
@@ -277,6 +279,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 src, src_bytes = await self._source_layout(req)
                 plan = await self._plan(src, dst, req)
                 u.tensors = len(req.tensors) if req.tensors else len(dst.tensors)
+                u.all_names = tuple(dst.tensors)
                 if plan.digest != req.plan_digest:
                     raise LayoutError(f"plan digest mismatch: trainer {req.plan_digest}, inference {plan.digest}")
                 if req.epoch > self.epoch:  # taken once the request holds up: a malformed one fences nobody out
@@ -374,7 +377,12 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             raise _Failed(str(e)) from None
         u.phase = "DONE"
         self.committed = u.version
-        self._not_serving = False
+        self.torn = set() if u.names is None else self.torn - u.names
+        if self.torn:
+            self.last_error = (f"committed {_v(u.version)}, a partial update; {len(self.torn)} tensor(s) torn by a failed "
+                               f"in-place update are not carried yet (e.g. {sorted(self.torn)[0]}): NOT_SERVING until "
+                               "an update carries them (a full update does)")
+            log.error("%s", self.last_error)
         for w in self.hub.alive():
             w.version, w.allowed = u.version, True  # a commit ends every rank's hold
         self._reconcile()
@@ -430,7 +438,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         in_flight = u.phase in ("TRANSFER", "VERIFY", "COMMIT")
         self._tell_workers(u, reason)
         if in_flight and self.inplace:
-            self._not_serving = True
+            self.torn |= u.names if u.names is not None else set(u.all_names)
         await self._fail(u, reason)
 
     def _tell_workers(self, u: _Update, reason: str) -> None:

@@ -57,7 +57,9 @@ class InferenceWorker(WorkerBase):
         self.shadow = {n: t.clone() for n, t in self.live.items()} if mode == "shadow" else None
         self._serving = threading.Lock()
         self._committed = threading.Condition()
-        self.serving_ok = True  # False after an in-place update failed midway: the weights are torn
+        self.serving_ok = True  # False while any tensor is torn (an in-place update failed midway)
+        self.torn: set[str] = set()  # tensors a failed in-place update left half-written
+        self._carrying: set[str] | None = None  # the tensors of the update in flight (None: all)
         # Held until the controller has seen this rank's version: a rank serves only its deployment's
         # committed version (one restarted with its checkpoint beside peers at step N must not).
         self.held = True
@@ -137,6 +139,7 @@ class InferenceWorker(WorkerBase):
 
     def before_transfer(self, p: wpb.Prepare) -> None:
         self.updating = True
+        self._carrying = set(p.tensors) if p.tensors else None
         if self.mode == "inplace":
             self._pause()
             self.serving_ok = False  # live weights are about to be overwritten
@@ -148,7 +151,10 @@ class InferenceWorker(WorkerBase):
         if self._verifying == update_id:
             self._verifying = ""  # aborted by the controller: it tells every rank what to serve
         if self.updating and self.mode == "inplace":
-            self._resume()  # serving_ok stays False: NOT_SERVING until a full update
+            # What it carried may be half-written: not served until an update carries it again.
+            self.torn |= set(self.tensors) if self._carrying is None else self._carrying
+            self.serving_ok = False
+            self._resume()
         if self.updating and self.shadow is not None:
             # The shadow may hold part of the failed version: bring it back to the live weights,
             # so a later partial update commits the untouched tensors unchanged.
@@ -198,9 +204,14 @@ class InferenceWorker(WorkerBase):
             if self.fault.get("commit_seconds"):  # test hook: a commit that takes a while
                 time.sleep(self.fault["commit_seconds"])
             if self.shadow is not None:
+                cuda = self.device.startswith("cuda")
+                if cuda:
+                    # The engine is paused at a step boundary, but a step returns before its kernels end:
+                    # whatever any stream of this process queued (reading the live weights) runs first.
+                    torch.cuda.synchronize(self.device)
                 for n, t in self.live.items():
                     t.copy_(self.shadow[n])
-                if self.device.startswith("cuda"):  # the engine's streams must not see half-copied weights
+                if cuda:  # and the engine's next step sees whole weights
                     torch.cuda.current_stream(self.device).synchronize()
             for hook in self.commit_hooks:
                 hook(version)
@@ -208,7 +219,9 @@ class InferenceWorker(WorkerBase):
                 self.version = pb.Version(run=version.run, step=version.step)
                 for key in [k for k in self.failures if k[0] == version.run and k[1] <= version.step]:
                     del self.failures[key]  # a retry of a failed version made it
-                self.serving_ok = True
+                if self.mode == "inplace":  # what this update carried is whole again; the rest may not be
+                    self.torn = set() if self._carrying is None else self.torn - self._carrying
+                self.serving_ok = not self.torn
                 self.held = False  # every rank of the deployment commits this version
                 self._verifying = ""
                 self._committed.notify_all()

@@ -119,3 +119,34 @@ def test_a_publish_during_a_transfer_never_tears_the_snapshot_it_reads():
         for w in workers:
             w.stop()
         svc.close()
+
+
+def test_a_partial_update_after_a_failed_inplace_update_keeps_the_torn_tensors_out_of_service():
+    """Item 2: an in-place update that fails midway tears every tensor it carried; a later partial
+    update (`--tensors`) makes only its own tensors whole, so the deployment stays NOT_SERVING (and
+    its ranks hold) until an update carries the rest."""
+    from .cluster import Cluster
+
+    env = {"RESHARD_FAULT_RANK": "1", "RESHARD_FAULT_SLOW_AFTER": "0", "RESHARD_FAULT_SLOW_SECONDS": "30",
+           "RESHARD_FAULT_ONCE": "1"}
+    c = Cluster("tiny", inference_workers=2, update_timeout=4, bucket_bytes=4096, inference_env=env,
+                inference_mode="inplace")
+    try:
+        rc, out, err = c.update()
+        assert rc != 0, out
+        c.wait_for(lambda s: s["serving_state"] == "NOT_SERVING" and not s["update_in_progress"],
+                   what="NOT_SERVING after a failed in-place update")
+        rc, out, err = c.update("--tensors", "model.norm.weight")
+        assert rc == 0, err + c.logs()
+        st = c.status()
+        assert st["serving_state"] == "NOT_SERVING", st
+        assert "torn" in st["last_error"], st["last_error"]
+        rc, out, err = c.update()
+        assert rc == 0, err + c.logs()
+        step = out["committed"]["step"]
+        c.wait_for(lambda s: s["serving_state"] == "SERVING", what="SERVING after a full update")
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
+            got, v = c.dump(name)
+            assert v["step"] == step and torch.equal(got, c.expected(name, step)), name
+    finally:
+        c.close()

@@ -39,3 +39,57 @@ def test_an_abort_from_the_controller_clears_the_verify_mark():
     w.on_abort("u1")  # aborted on every rank: nobody commits it
     w.on_controller_lost()
     assert not w.held
+
+
+def test_a_partial_commit_leaves_the_torn_tensors_unserved():
+    """In place, a failed update tears what it carried; a later one that carries only part of it
+    makes that part whole and the rank still does not serve (issue 28, item 2)."""
+    from reshard.proto import worker_pb2 as wpb
+
+    specs = {n: TensorSpec(n, (2,), "float32") for n in ("a", "b")}
+    bufs = {n: (LocalBuffer(n, (2,), "float32", (Piece(n, Box((0,), (2,)), Box((0,), (2,))),)), torch.zeros(2))
+            for n in specs}
+    w = InferenceWorker("127.0.0.1:1", 0, 1, specs, bufs, mode="inplace", version=pb.Version(run="r", step=1))
+    w.held = False
+    w.before_transfer(wpb.Prepare(update_id="u1"))  # a full update, in place
+    w.on_abort("u1")  # failed midway
+    assert w.torn == {"a", "b"}
+    w.before_transfer(wpb.Prepare(update_id="u2", tensors=["a"]))
+    w._commit(pb.Version(run="r", step=2))
+    with w.serving() as version:
+        assert version is None and w.torn == {"b"}
+    w.before_transfer(wpb.Prepare(update_id="u3"))
+    w._commit(pb.Version(run="r", step=3))
+    with w.serving() as version:
+        assert version.step == 3
+
+
+def test_the_commit_copy_waits_for_the_engines_queued_work(monkeypatch):
+    """On a GPU, the shadow -> live copy is ordered after every stream's queued work (the engine's
+    step returns before its kernels end) and finished before the engine resumes (item 3). CUDA's
+    calls are recorded here, around the copies (CPU tensors stand in for the device's)."""
+    calls: list[str] = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("stream_sync")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("device_sync"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    w = _worker()
+    w.device = "cuda:0"
+
+    class Recording(torch.Tensor):
+        pass
+
+    orig = w.live["w"]
+    w.live["w"] = orig.as_subclass(Recording)
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self, src, *a, **kw):
+        calls.append("copy")
+        return real_copy(self, src, *a, **kw)
+
+    monkeypatch.setattr(Recording, "copy_", copy_)
+    w._commit(pb.Version(run="r", step=4))
+    assert calls == ["device_sync", "copy", "stream_sync"], calls
