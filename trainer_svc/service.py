@@ -91,6 +91,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         hub.on_stale = self._on_disconnect
         hub.on_attach = self._on_attach
         self.published: pb.Version | None = None
+        self.last_release: wpb.Release | None = None  # sent again to a worker that attaches after it
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
         self.requested: tuple | None = None  # (version, tensor patterns or None)
@@ -139,8 +140,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             self._done_event.set()
 
     def _on_attach(self, conn: WorkerConn) -> None:
-        """A restarted controller recovers what its workers published (their hellos carry it): an
-        embedded trainer whose publish reached the dead controller still gets it pushed."""
+        """A worker that (re)attaches gets the last Release: one sent while its stream was down (its
+        update failed because of it) would otherwise never reach it, and its publish handle would wait
+        for good. A restarted controller recovers what its workers published (their hellos carry it):
+        an embedded trainer whose publish reached the dead controller still gets it pushed."""
+        if self.last_release is not None:
+            self.hub.send(conn, release=self.last_release)
         versions = {_v(w.version): w.version for w in self.hub.alive() if w.version is not None}
         if not self.hub.complete() or len(versions) != 1 or any(w.version is None for w in self.hub.alive()):
             return
@@ -326,7 +331,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             c = self.committed
             if c is not None and c.run == version.run and c.step >= version.step and not any(
                     d.repair for d in self.deployments.values()):
-                self.hub.send_all(release=wpb.Release(version=version, has_outcome=True, ok=True, delivered=c))
+                self._release(wpb.Release(version=version, has_outcome=True, ok=True, delivered=c))
                 continue  # already there
             out = None
             try:
@@ -345,12 +350,20 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     rel.has_outcome, rel.ok, rel.error = True, out.ok, out.error
                     if out.ok and out.HasField("committed"):
                         rel.delivered.CopyFrom(out.committed)
-                self.hub.send_all(release=rel)
+                self._release(rel)
             self.outcomes[_v(version)] = out
             if len(self.outcomes) > 1000:
                 self.outcomes.pop(next(iter(self.outcomes)))
             async with self.changed:
                 self.changed.notify_all()
+
+    def _release(self, rel: wpb.Release) -> None:
+        """Tell every trainer worker the controller is done with versions up to rel.version: those
+        attached now, and (on_attach) any that attaches later."""
+        last = self.last_release
+        if last is None or last.version.run != rel.version.run or last.version.step <= rel.version.step:
+            self.last_release = rel
+        self.hub.send_all(release=rel)
 
     async def _one_request(self, version, patterns) -> pb.UpdateOutcome:
         out = None

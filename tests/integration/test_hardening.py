@@ -150,3 +150,114 @@ def test_a_partial_update_after_a_failed_inplace_update_keeps_the_torn_tensors_o
             assert v["step"] == step and torch.equal(got, c.expected(name, step)), name
     finally:
         c.close()
+
+
+class CuttableProxy:
+    """A TCP relay from a local port to `target` whose connections the test can cut at once (a
+    network fault between a worker and its controller); new connections are relayed as before."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(16)
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.conns: list = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                a, _ = self.server.accept()
+            except OSError:
+                return
+            try:
+                b = socket.create_connection(self.target)
+            except OSError:
+                a.close()
+                continue
+            with self.lock:
+                self.conns += [a, b]
+            for x, y in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(x, y), daemon=True).start()
+
+    @staticmethod
+    def _pipe(x, y) -> None:
+        import socket
+
+        try:
+            while data := x.recv(65536):
+                y.sendall(data)
+        except OSError:
+            pass
+        for s in (x, y):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        import socket
+
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+        self.cut()
+
+
+def test_a_trainer_worker_that_reattaches_after_its_update_failed_gets_its_release():
+    """Item 4: the update fails because a trainer worker's connection broke mid-transfer; the Release
+    of that version goes to the workers attached then. The one that reattaches must get it too, or
+    its publish handle waits for good."""
+    src, dst = megatron_layout(CFG, 2), vllm_layout(CFG, 2)
+    svc = Services("rel", trainer_args=("--bucket-bytes", "4096"))
+    proxy = CuttableProxy(svc.tr_w)
+    workers: list = []
+    try:
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
+            workers.append(InferenceWorker(svc.inf_w, r, 2, dst.tensors, bufs).start())
+        trs = []
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
+            fill(src, r, {n: t for n, (_, t) in bufs.items()}, canonical(1))
+            trs.append(TrainerWorker(proxy.address if r == 0 else svc.tr_w, r, 2, src.tensors, bufs, run="rel",
+                                     fault={"slow_after": 0, "slow_seconds": 3.0, "once": 1} if r == 1 else None).start())
+        workers += trs
+        for w in workers:
+            assert w.wait_connected(60)
+        handles = [w.publish(1) for w in trs]
+        t0 = time.monotonic()
+        while not trs[1]._current:
+            assert time.monotonic() - t0 < 60, "the update never started"
+            time.sleep(0.01)
+        time.sleep(0.3)
+        proxy.cut()  # rank 0's stream breaks mid-transfer: the update fails; rank 0 reattaches
+        for r, h in enumerate(handles):
+            assert h.wait(30), f"trainer rank {r}'s publish handle never became writable"
+            assert h.wait_outcome(5) is False, (r, h.ok, h.error)
+        # And the next step goes through.
+        for r, w in enumerate(trs):
+            fill(src, r, w.live, canonical(2))
+        handles = [w.publish(2) for w in trs]
+        assert all(h.wait_outcome(60) for h in handles), [h.error for h in handles]
+    finally:
+        for w in workers:
+            w.stop()
+        proxy.close()
+        svc.close()
