@@ -434,7 +434,15 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     import secrets
 
     from reshard.common.control.rpc import start_server, stop_server
-    from reshard.common.control.supervisor import Supervisor, recorded_worker_token, run_file
+    from reshard.common.control.supervisor import RunDirError, Supervisor, recorded_worker_token, run_dir, run_file
+
+    uses_run_dir = bool(command) or not worker_listen  # run files, or the default worker socket
+    if uses_run_dir:
+        try:
+            run_dir()  # before anything listens: a folder others could write into is refused
+        except RunDirError as e:
+            print(f"reshard {hub.role}: {e}", file=sys.stderr, flush=True)
+            return 2
 
     def register(server):
         add_servicer(server)
@@ -446,7 +454,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
 
     server, hs, port = await start_server(listen, register)
     addr = f"{local_host(listen)}:{port}"
-    runs = run_file(hub.role, addr)
+    runs = run_file(hub.role, addr) if uses_run_dir else ""
     worker_listen = worker_listen or f"unix:{runs[:-len('.json')]}.sock"
     # Standalone workers hold a token made for them (kept in the run file, so that a restarted
     # controller accepts the workers it adopts); external workers bring a configured one.

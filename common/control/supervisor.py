@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -116,13 +117,54 @@ def watch_controller(stop: threading.Event, controller_pid: Callable[[], int], r
     threading.Thread(target=watch, name="reshard-supervisor-watch", daemon=True).start()
 
 
-def run_file(role: str, address: str) -> str:
-    """Where the Supervisor of `role`'s controller serving `address` records its workers:
-    RESHARD_RUN_DIR, else $XDG_RUNTIME_DIR/reshard, else a private folder in the temp dir."""
-    base = os.environ.get("RESHARD_RUN_DIR") or (
+class RunDirError(ValueError):
+    """A run folder that another user could write into or read."""
+
+
+def check_run_dir(path: str, uid: int | None = None) -> str:
+    """`path`, created with mode 0700 when missing; refused when it is not a folder owned by `uid`
+    (this process's user) or when others may enter it (any group or other permission): whoever can
+    write there could replace the worker socket or plant a run file whose worker token a restarted
+    controller trusts, and whoever can read there could read that token."""
+    uid = os.getuid() if uid is None else uid
+    try:
+        os.makedirs(path, mode=0o700)  # the mode of a folder made here, whatever the umask leaves of it
+        os.chmod(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise RunDirError(f"cannot create the run folder {path}: {e.strerror}; set RESHARD_RUN_DIR to a folder of "
+                          "your own with mode 0700") from None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) and st.st_uid == uid:  # a link of our own: judge what it points to
+        st = os.stat(path)
+    fix = (f"remove it (if it is not yours, ask its owner or an administrator) or run `chmod 700 {path}` if it is yours, "
+           "or set RESHARD_RUN_DIR to a folder of your own with mode 0700")
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a link another user made" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise RunDirError(f"the run folder {path} is {what}: {fix}")
+    if st.st_uid != uid:
+        raise RunDirError(f"the run folder {path} belongs to uid {st.st_uid}, not to this user (uid {uid}): another user "
+                          f"could replace the worker socket or plant a run file there; {fix}")
+    if st.st_mode & 0o077:
+        raise RunDirError(f"the run folder {path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): they could "
+                          f"replace the worker socket or read and plant run files there; {fix}")
+    return path
+
+
+def run_dir() -> str:
+    """The folder where controllers keep their run files and worker sockets, checked
+    (`check_run_dir`): RESHARD_RUN_DIR, else $XDG_RUNTIME_DIR/reshard, else reshard-UID in the
+    temp dir (the usual case in containers)."""
+    return check_run_dir(os.environ.get("RESHARD_RUN_DIR") or (
         os.path.join(os.environ["XDG_RUNTIME_DIR"], "reshard") if os.environ.get("XDG_RUNTIME_DIR")
-        else os.path.join(tempfile.gettempdir(), f"reshard-{os.getuid()}"))
-    return os.path.join(base, f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', address)}.json")
+        else os.path.join(tempfile.gettempdir(), f"reshard-{os.getuid()}")))
+
+
+def run_file(role: str, address: str) -> str:
+    """Where the Supervisor of `role`'s controller serving `address` records its workers, in the
+    checked run folder (`run_dir`). Raises RunDirError."""
+    return os.path.join(run_dir(), f"{role}-{re.sub(r'[^A-Za-z0-9_.-]', '_', address)}.json")
 
 
 def recorded_worker_token(path: str) -> str:

@@ -640,3 +640,21 @@ def test_a_callers_huge_timeout_is_clamped_by_the_server(secure):
     assert took < 6 + 3 + 6 and st.serving_state == "SERVING" and st.version == served
     log = secure.inf_log.read_text()
     assert "failed after 6." in log and "k" * 32 not in log  # the data plane gave up at 6 s; its secret is not logged
+
+
+def test_a_controller_refuses_a_run_folder_another_user_could_have_planted(tmp_path):
+    """Without XDG_RUNTIME_DIR (containers) the run folder is reshard-UID in the temp dir: one that
+    is already there open to others (another local user made it first, and could have planted a run
+    file or a socket) stops the controller before it listens, naming the folder and the fix."""
+    planted = tmp_path / f"reshard-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    (planted / "forged.json").write_text(json.dumps({"worker_token": "w" * 32, "workers": {}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RESHARD_T", "RESHARD_RUN_DIR", "XDG_RUNTIME_DIR"))}
+    env["TMPDIR"] = str(tmp_path)
+    port = free_port()
+    r = subprocess.run([*module_command("reshard.cli"), "inference", "--listen", f"127.0.0.1:{port}", "--workers", "1",
+                        "--model", "tiny"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"the run folder {planted} is open to other users (mode 0777)" in r.stderr and "chmod 700" in r.stderr, r.stderr
+    assert not _listening(port)

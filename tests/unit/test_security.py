@@ -124,3 +124,50 @@ def test_peer_identities():
     assert Security().check_peer({}) == ""  # no list: any caller the CA signed (and the token allows)
     with pytest.raises(SecurityError, match="--allow-peer needs --mtls"):
         Security(allow_peers=("x",)).check()
+
+
+def test_a_run_folder_others_may_enter_is_refused(tmp_path, monkeypatch):
+    """The run folder (worker sockets, run files with the workers' token) must be the user's own
+    with mode 0700: one another user made first, or one open to others, is refused by name with the
+    fix; a missing one is made 0700 whatever the umask."""
+    import os
+
+    from reshard.common.control.supervisor import RunDirError, check_run_dir, run_dir, run_file
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(RunDirError, match=f"run folder {shared} is open to other users \\(mode 0777\\).*chmod 700"):
+        check_run_dir(str(shared))
+    shared.chmod(0o750)  # group may read: the run file holds the workers' token
+    with pytest.raises(RunDirError, match="mode 0750"):
+        check_run_dir(str(shared))
+    shared.chmod(0o700)
+    assert check_run_dir(str(shared)) == str(shared)
+    with pytest.raises(RunDirError, match=f"belongs to uid {os.getuid()}, not to this user \\(uid {os.getuid() + 1}\\)"):
+        check_run_dir(str(shared), uid=os.getuid() + 1)  # as another user would see ours
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RunDirError, match="not a directory"):
+        check_run_dir(str(tmp_path / "file"))
+    old = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh" / "run"
+        assert check_run_dir(str(fresh)) == str(fresh)
+    finally:
+        os.umask(old)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    # The fallback used when XDG_RUNTIME_DIR is unset (containers): reshard-UID in the temp dir.
+    monkeypatch.delenv("RESHARD_RUN_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    planted = tmp_path / f"reshard-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    with pytest.raises(RunDirError, match=str(planted)):
+        run_file("trainer", "127.0.0.1:1")
+    planted.rmdir()
+    assert run_file("trainer", "127.0.0.1:1") == str(planted / "trainer-127.0.0.1_1.json")
+    assert planted.stat().st_mode & 0o777 == 0o700 and run_dir() == str(planted)
