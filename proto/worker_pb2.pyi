@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role", "device", "device_uuid")
+    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role", "device", "device_uuid", "instance")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class Hello(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world: int
     pid: int
@@ -29,7 +30,8 @@ class Hello(_message.Message):
     role: str
     device: str
     device_uuid: str
-    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    instance: bytes
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., instance: _Optional[bytes] = ...) -> None: ...
 
 class Prepare(_message.Message):
     __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "src_fingerprint", "dst_fingerprint")

@@ -129,13 +129,17 @@ class TrainerWorker(WorkerBase):
         version = pb.Version(run=run or self.run_id, step=step)
         stall = 0.0
         if self.snapshot is not None:
-            t0 = time.perf_counter()
-            with self._snap_lock:  # waits while a transfer still reads the previous version
+            if not self._snap_lock.acquire(blocking=False):  # a transfer still reads the previous version
+                t0 = time.perf_counter()
+                self._snap_lock.acquire()
                 stall = time.perf_counter() - t0
+            try:
                 for n, t in self.live.items():
                     self.snapshot[n].copy_(t)
                 self._sync_caller_stream()
                 self._snap_version = version
+            finally:
+                self._snap_lock.release()
         else:
             self._sync_caller_stream()
         handle = PublishHandle(version, writable=self.snapshot is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import itertools
 import logging
 import os
@@ -148,14 +149,18 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         if sup is not None and not sup.accepts(h.rank, h.pid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"{self.role} rank {h.rank} is held by worker pid {sup.holder(h.rank)}, not pid {h.pid}")
-        # Who adopted it: a worker whose controller died waits for a restarted one (common/control/supervisor.py).
-        await context.send_initial_metadata(((CONTROLLER_PID_KEY, str(os.getpid())),))
         old = self.workers.get(h.rank)
         if old is not None and old.alive:
-            if old.pid != h.pid:  # a rank's live worker is never swapped out by a newcomer
+            # A rank's live worker is never swapped out by a newcomer: only the same worker (its pid and
+            # the nonce only it knows) may take over its rank on a new stream.
+            if old.pid != h.pid or not hmac.compare_digest(old.hello.instance, h.instance):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"{self.role} rank {h.rank} is held by live worker pid {old.pid}, not pid {h.pid}")
+                                    f"{self.role} rank {h.rank} is held by live worker pid {old.pid}"
+                                    + (f", not pid {h.pid}" if old.pid != h.pid else " (another worker claimed its pid)"))
             self._drop(old, "its worker attached again")  # the same process, on a new stream
+        # Accepted: the first metadata says so (a worker is connected only once it has it), and who
+        # adopted it (a worker whose controller died waits for a restarted one: common/control/supervisor.py).
+        await context.send_initial_metadata(((CONTROLLER_PID_KEY, str(os.getpid())),))
         conn = WorkerConn(h.rank, h, asyncio.Queue(), version=self.own(h.version) if h.has_version else None)
         self.workers[h.rank] = conn
         self.generation += 1

@@ -156,6 +156,8 @@ class WorkerBase:
         self.last_error = ""
         self.controller_pid = 0  # the controller process this worker attached to last (0: not known)
         self.refused = False  # the controller refused its hello: another process holds this rank
+        self._refusal_logged = False
+        self._instance = os.urandom(16)  # proves a reattach is this worker (hello.instance); never shown
         self.requests_served = 0
         self.requests_during_update = 0
         self.requests_by_version: dict[str, int] = {}
@@ -167,7 +169,13 @@ class WorkerBase:
         return self
 
     def wait_connected(self, timeout: float = 30.0) -> bool:
-        return self._connected.wait(timeout)
+        """True once a controller accepted this worker for its rank; False at the timeout, or as soon as
+        the controller refuses the rank (another worker holds it: `last_error` says which)."""
+        deadline = time.monotonic() + timeout
+        while not self._connected.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if self.refused or time.monotonic() >= deadline:
+                return False
+        return True
 
     def stop(self) -> None:
         self._stopping = True
@@ -223,9 +231,16 @@ class WorkerBase:
             except (grpc.aio.AioRpcError, OSError) as e:
                 if self._stopping:
                     break
-                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    self.refused = True  # another process holds this rank there (an orphan that came too late)
-                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    # Another worker holds this rank there (an orphan that came too late, a second replica
+                    # with the same ranks): said once; it tries again in case the holder goes away.
+                    self.refused = True
+                    self.last_error = f"controller {self.controller} refused this rank: {e.details()}"
+                    if not self._refusal_logged:
+                        self._refusal_logged = True
+                        log.error("%s worker %d: %s", self.role, self.rank, self.last_error)
+                elif code == grpc.StatusCode.UNIMPLEMENTED:
                     log.warning("%s worker %d: %s serves no worker protocol: point the worker at the controller's worker "
                                 "listener (--worker-listen; printed when it starts and in `reshard status`); retrying",
                                 self.role, self.rank, self.controller)
@@ -245,7 +260,7 @@ class WorkerBase:
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
                           rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts),
-                          device=self.device, device_uuid=self.device_uuid)
+                          device=self.device, device_uuid=self.device_uuid, instance=self._instance)
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True
@@ -264,10 +279,15 @@ class WorkerBase:
             self._call = call
             md = dict(await call.initial_metadata() or ())
             pid = str(md.get(CONTROLLER_PID_KEY, ""))
-            if pid.isdigit():  # the controller that took this worker (a restarted one adopts its predecessor's)
+            if pid.isdigit():
+                # Accepted by a controller for this rank (it sends this only then; a call that failed, or
+                # nothing listening, leaves the metadata empty): the controller that took this worker (a
+                # restarted one adopts its predecessor's).
                 self.controller_pid = int(pid)
-            self.refused = False
-            self._connected.set()
+                self.refused = False
+                self._refusal_logged = False
+                self._connected.set()
+            # Otherwise the call's status comes with its first read below (refused, unreachable).
             hb = asyncio.get_running_loop().create_task(self._heartbeats())
             try:
                 async for cmd in call:

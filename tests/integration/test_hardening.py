@@ -3,6 +3,8 @@ processes, with the workers embedded in this test process over real gloo groups.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -260,4 +262,47 @@ def test_a_trainer_worker_that_reattaches_after_its_update_failed_gets_its_relea
         for w in workers:
             w.stop()
         proxy.close()
+        svc.close()
+
+
+def test_connected_means_accepted_by_a_controller_for_this_rank():
+    """Item 5: nothing listening is not 'connected'."""
+    from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
+
+    spec = TensorSpec("w", (4,), "float32")
+    desc = LocalBuffer("w", (4,), "float32", (Piece("w", Box((0,), (4,)), Box((0,), (4,))),))
+    w = InferenceWorker(f"127.0.0.1:{free_port()}", 0, 1, {"w": spec}, {"w": (desc, torch.zeros(4))}).start()
+    try:
+        assert not w.wait_connected(3), "connected to a port nobody listens on"
+    finally:
+        w.stop()
+
+
+def test_a_second_worker_for_a_live_rank_is_refused_and_says_so():
+    """Items 5 and 18: a second worker for a rank whose worker is alive is refused, even from the same
+    process (its pid is the holder's: a pid alone proves nothing), and it knows it was refused
+    (wait_connected returns False at once) instead of reporting 'connected'. The holder keeps the rank."""
+    from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
+
+    svc = Services("dup", trainers=1, inferences=1)
+    spec = TensorSpec("w", (4,), "float32")
+    desc = LocalBuffer("w", (4,), "float32", (Piece("w", Box((0,), (4,)), Box((0,), (4,))),))
+    first = second = None
+    try:
+        first = InferenceWorker(svc.inf_w, 0, 1, {"w": spec}, {"w": (desc, torch.zeros(4))}).start()
+        assert first.wait_connected(60)
+        pid = first.controller_pid
+        second = InferenceWorker(svc.inf_w, 0, 1, {"w": spec}, {"w": (desc, torch.zeros(4))}).start()
+        t0 = time.monotonic()
+        assert not second.wait_connected(30), "a second worker for a live rank reported connected"
+        assert time.monotonic() - t0 < 20 and second.refused and "held by live worker" in second.last_error, \
+            second.last_error
+        time.sleep(1.0)
+        assert first._connected.is_set() and first.controller_pid == pid, "the holder lost its rank"
+        st = json.loads(cli("status", "--inference", svc.inf, "--json", check=True).stdout)
+        assert [w["pid"] for w in st["workers"]] == [os.getpid()] and st["workers"][0]["state"] != "DEAD", st
+    finally:
+        for w in (first, second):
+            if w is not None:
+                w.stop()
         svc.close()
