@@ -39,7 +39,7 @@ import torch
 
 from reshard.common.dataplane.checksum import box_checksum_tensor, read_sums
 from reshard.common.dataplane.engine import receiver_checksums
-from reshard.common.dataplane.transport import Transport, TransportError, Work
+from reshard.common.dataplane.transport import Transport, TransportError, Work, redact
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan
 
@@ -145,15 +145,30 @@ class SessionStore:
     def __init__(self, store_host: str, store_port: int, session: str, rank: int, timeout_s: float, key: str = "") -> None:
         from torch.distributed import PrefixStore, TCPStore
 
-        self.session, self.rank, self.aborted = session, rank, ""
+        self.session, self.rank, self.aborted, self._key = session, rank, "", key
         try:  # the store is the controller's: reached at once, or not at all
             store = TCPStore(store_host, store_port, world_size=None, is_master=False,
                              timeout=datetime.timedelta(seconds=max(1.0, timeout_s)), wait_for_workers=False)
         except RuntimeError as e:
             raise TransportError(f"session {session} (rank {rank}): the rendezvous store at "
-                                 f"{store_host}:{store_port} is unreachable: {str(e).splitlines()[0]}") from None
+                                 f"{store_host}:{store_port} is unreachable: {self.redact(str(e).splitlines()[0])}") from None
         self._store = PrefixStore(f"reshard/{key or session}/ipc", store)
         self._slots: dict[str, str] = {}
+
+    def redact(self, message: str) -> str:
+        """`message` without the session's secret (as the gloo transport's errors)."""
+        return redact(message, self._key)
+
+    def _op(self, what: str, op: Callable, *args):
+        """A store operation; torch's errors name the keys, which live under the session's secret:
+        they become a TransportError without it (and without the original as its cause)."""
+        try:
+            return op(*args)
+        except RuntimeError as e:
+            if self.aborted:
+                raise TransportError(self.aborted) from None
+            raise TransportError(f"session {self.session}, rank {self.rank}: the rendezvous store failed to {what}: "
+                                 f"{self.redact(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
 
     def abort(self, reason: str) -> None:
         self.aborted = self.aborted or reason
@@ -171,21 +186,21 @@ class SessionStore:
         self._usable()
         last = self._slots.get(slot) if slot else None
         if last is not None and last != key:
-            self._store.delete_key(last)
+            self._op("delete a key", self._store.delete_key, last)
         if slot:
             self._slots[slot] = key
-        self._store.set(key, value)
+        self._op("set a key", self._store.set, key, value)
 
     def delete(self, key: str) -> None:
         self._usable()
-        self._store.delete_key(key)
+        self._op("delete a key", self._store.delete_key, key)
 
     def wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
         """Until every key is in the store: fails at the deadline or at once on an abort."""
         delay = 0.001
         while True:
             self._usable()
-            if not keys or self._store.check(keys):
+            if not keys or self._op("check keys", self._store.check, keys):
                 return
             if time.monotonic() >= deadline:
                 raise TransportError(f"session {self.session}, rank {self.rank}: {what}")
@@ -195,9 +210,9 @@ class SessionStore:
     def get(self, key: str, take: bool = False) -> bytes:
         """The key's value; with `take` (its one reader), deleted from the store too."""
         self._usable()
-        value = bytes(self._store.get(key))
+        value = bytes(self._op("get a key", self._store.get, key))
         if take:
-            self._store.delete_key(key)
+            self._op("delete a key", self._store.delete_key, key)
         return value
 
 

@@ -212,7 +212,7 @@ def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: 
     except BaseException as e:
         if t.guests and t.store is not None and not t.aborted:
             try:
-                mark(str(e).encode() or type(e).__name__.encode())
+                mark(t.store.redact(str(e) or type(e).__name__).encode())  # guests report it: never the secret
             except Exception:  # noqa: BLE001 - the guests then fail at their deadline or abort
                 pass
         raise

@@ -51,6 +51,12 @@ class Work(abc.ABC):
         self.wait(timeout_s)
 
 
+def redact(message: str, key: str) -> str:
+    """`message` without the session's secret `key`: torch's store errors name the keys they wait
+    for, which live under it, and the secret must never reach a log, `status` or a peer."""
+    return message.replace(key, "<session key>") if key else message
+
+
 def serve_store(host: str, timeout_s: float):
     """The session rendezvous store (a TCPStore server), listening on `host`'s address only (torch's
     own binds every interface). Returns (store, its listening socket: keep it alive with the store)."""
@@ -226,8 +232,7 @@ class GlooTransport(Transport):
         return TransportError(f"gloo {what} failed: {self._redact(str(e).splitlines()[0])}")
 
     def _redact(self, message: str) -> str:
-        """torch's errors name store keys: the session's secret never reaches a log."""
-        return message.replace(self._key, "<session key>") if self._key else message
+        return redact(message, self._key)
 
     def _post(self, op: str, buf: torch.Tensor, peer: int, tag: int, what: str) -> Work:
         pg = self._pg

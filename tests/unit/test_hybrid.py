@@ -70,7 +70,8 @@ def test_a_session_must_name_every_ranks_gpu_and_carry_an_nccl_id():
         HybridTransport.for_session(s, 0, 3, 1.0)
 
 
-def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0):
+def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0, key="session-key-" + "k" * 20,
+             failure=TransportError("the host's engine broke on purpose")):
     """Every rank of a hybrid session at once, each on a thread: {(side, rank): result or exception}."""
     in_process_ipc(monkeypatch, hybrid)
     plan = make_plan(src, dst, plan_options(0, "hybrid"))
@@ -90,9 +91,9 @@ def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0):
         hook = None
         if me == fail_host:
             def hook(rnd):
-                raise TransportError("the host's engine broke on purpose")
+                raise failure
         try:
-            t = HybridTransport(placement, me, lambda: SessionStore("127.0.0.1", port, "s", me, 10.0, "k"), net)
+            t = HybridTransport(placement, me, lambda: SessionStore("127.0.0.1", port, "s", me, 10.0, key), net)
             try:
                 results[(side, rank)] = hybrid.run_hybrid(t, "u1", plan, side, rank, bufs, shapes, dst, StagingPool(),
                                                           time.monotonic() + deadline_s, connected=lambda: None, hook=hook)
@@ -110,7 +111,7 @@ def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0):
         th.join(60)
     # What the session's steps leave in the store (it lives as long as the trainer controller).
     results["left"] = [k for r in range(len(gpus)) for k in (f"u1/handles/{r}", f"u1/written/{r}")
-                       if store.check([f"reshard/k/ipc/{k}"])]
+                       if store.check([f"reshard/{key}/ipc/{k}"])]
     sock.close()
     return plan, shapes, ranks, results, t0
 
@@ -151,6 +152,33 @@ def test_a_failing_host_fails_its_guest_at_once_with_its_reason(monkeypatch):
     assert "trainer rank 0, the host of this GPU, failed: the host's engine broke on purpose" in str(err)
     assert results[("at", "dst", 0)] - t0 < 6.0
     assert isinstance(results[("src", 0)], TransportError)
+
+
+SECRET = "Zq8" + "x" * 29  # a session's secret (pb.Session.key): its store keys live under it
+
+
+def test_store_errors_of_ipc_and_hybrid_sessions_never_carry_the_session_secret(monkeypatch):
+    """torch's store errors name the keys they wait for, which live under the session's secret: an
+    IPC or hybrid rank's store error, and a host's failure that its guests read from the store, say
+    what failed without the secret (as the gloo transport's errors do), so that it never reaches
+    `status` or a log."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    s = SessionStore("127.0.0.1", server.port, "s", 1, 0.5, SECRET)
+    with pytest.raises(TransportError) as e:
+        s.get("u1/handles/0")  # torch: "wait timeout after 500ms, keys: /reshard/<secret>/ipc/u1/handles/0"
+    assert "the rendezvous store failed to get a key" in str(e.value) and "<session key>" in str(e.value), e.value
+    assert SECRET not in str(e.value) and e.value.__cause__ is None and e.value.__suppress_context__
+    src, dst = build("tiny", "framework=megatron,tp=2"), build("tiny", "framework=vllm,tp=2")
+    broke = RuntimeError(f"wait timeout after 500ms, keys: /reshard/{SECRET}/ipc/u1/written/2")
+    _, _, _, results, _ = _session(monkeypatch, ["a", "b", "a", "b"], src, dst, fail_host=0, deadline_s=8.0, key=SECRET,
+                                   failure=broke)
+    err = results[("dst", 0)]  # the guest, told by its host through the store
+    assert isinstance(err, TransportError) and "the host of this GPU, failed: wait timeout" in str(err), err
+    assert SECRET not in str(err), err
 
 
 def test_a_guest_that_never_publishes_fails_its_host_at_the_deadline_and_an_abort_stops_a_wait(monkeypatch):
