@@ -67,6 +67,10 @@ class _UnknownSource(Exception):
     """BeginUpdate named a source layout by fingerprint that this controller does not hold."""
 
 
+class _Aborted(Exception):
+    """The update was aborted (a worker died or froze) while a call still prepared it."""
+
+
 class _Failed(Exception):
     """An update failed; the message says why (recorded for retried calls)."""
 
@@ -288,7 +292,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     self.epoch = req.epoch
                 u.plan = plan
                 u.bytes_total = plan.total_bytes
-                u.phase = "CONNECT"
+                self._advance(u, "CONNECT")
                 faults.at_phase("inference", "CONNECT")
                 u.requests_at_start = sum(w.requests_served for w in self.hub.alive())
                 prep = wpb.Prepare(update_id=u.id, version=req.version, plan_digest=plan.digest, session=req.session,
@@ -296,8 +300,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                                    src_fingerprint=layout_fingerprint(src), dst_fingerprint=dst_fp)
                 await self.hub.prepare_all(max(self.deadlines.rpc_s, u.deadline - time.monotonic()), prep,
                                            {prep.src_fingerprint: src_bytes, dst_fp: dst_bytes})
-                u.phase = "TRANSFER"
+                self._advance(u, "TRANSFER")
                 faults.at_phase("inference", "TRANSFER")
+            except _Aborted:
+                await context.abort(grpc.StatusCode.ABORTED, f"update {u.id} was aborted: {u.error}")
             except _UnknownSource as e:
                 self._tell_workers(u, str(e))
                 await self._fail(u, str(e))
@@ -312,6 +318,14 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             u.begin_reply = pb.BeginUpdateReply(bytes_total=u.bytes_total)
             self.hub.meter.add("BeginUpdateReply", u.begin_reply)
         return u.begin_reply
+
+    @staticmethod
+    def _advance(u: _Update, phase: str) -> None:
+        """Move `u` to `phase`, unless an abort (a stale or dead worker, seen while this call awaited)
+        ended it meanwhile: an ABORT is never overwritten."""
+        if u.phase in TERMINAL:
+            raise _Aborted(u.error)
+        u.phase = phase
 
     async def FinishUpdate(self, req: pb.FinishUpdateRequest, context):
         """Verify and commit on every rank, once: a retried call (or one that arrives while the

@@ -618,8 +618,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             log.info("update %s committed in %.2fs (%s, %d bytes)", _v(version), record.seconds, mode, rep.bytes)
             self.history.append(record)
             return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
-        except (UpdateFailed, WorkerError, LayoutError) as e:
-            msg = str(e)
+        except Exception as e:  # noqa: BLE001 - every failure aborts everywhere, the unexpected ones too
+            if isinstance(e, (UpdateFailed, WorkerError, LayoutError)):
+                msg = str(e)
+            else:
+                log.exception("update %s: internal error", _v(version))
+                msg = f"internal error: {type(e).__name__}: {e}"
             self.phase = d.phase = "ABORT"
             self.last_error = f"update {_v(version)}: {msg}" if len(self.deployments) == 1 else f"update {_v(version)} on {d.address}: {msg}"
             d.last_error = msg
