@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -201,6 +202,119 @@ def module_command(module: str) -> list[str]:
     return [sys.executable, "-c", _BOOT, module]
 
 
+LINE_MAX = 8192
+"""Bytes of a worker's log line passed on and kept: a longer line keeps its head and its last
+LINE_END bytes, with the count of the bytes cut between them."""
+LINE_END = 2048
+LOG_MAX = 4 << 20
+"""A worker's log file is emptied once read past this size (the run folder is often in memory)."""
+_REPORT_LINE = 400  # characters of each last line in an exit report (which `status` and errors carry)
+
+
+class WorkerLog:
+    """A worker's stderr: a file the worker appends to (its fd 2), read here line by line.
+
+    Never a pipe. A pipe blocks the worker as soon as its reader stops (a 1 MiB line once killed
+    the reader and wedged workers for good), and dies with its controller, so a restarted
+    controller that adopts the worker would never hear from it again. A file in the run folder
+    (`path`) outlives the controller: its successor opens it and reads on, and has the worker's last
+    words when it dies. Without a run folder the file has no name. What was in the file before
+    this one opened it is not read (`last_lines` gives its end)."""
+
+    CHUNK = 1 << 20  # bytes read at a time
+
+    def __init__(self, path: str = "") -> None:
+        self.path = path
+        if path:
+            self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        else:
+            self.fd, name = tempfile.mkstemp(prefix="reshard-worker-", suffix=".log")
+            os.unlink(name)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_APPEND)
+        # O_APPEND: once this side empties the file, the worker writes at its new end, not past a hole
+        self.pos = os.fstat(self.fd).st_size
+        self.behind = 0  # bytes written and not yet read, as of the last read
+        self._head, self._end, self._cut = bytearray(), bytearray(), 0  # the line being read
+
+    def last_lines(self, window: int = 64 << 10) -> list[bytes]:
+        """The complete lines in the file's last `window` bytes; reading goes on after them."""
+        start = max(0, self.pos - window)
+        data = os.pread(self.fd, self.pos - start, start)
+        end = data.rfind(b"\n") + 1
+        self.pos = start + end  # a line still being written is read whole by `read`
+        lines = data[:end].split(b"\n")[:-1]
+        return [self._bounded(ln) for ln in lines[1 if start else 0:]]  # the window's first line may be cut
+
+    def read(self, final: bool = False) -> list[bytes]:
+        """The lines written since the last read (at most CHUNK bytes of them), each at most about
+        LINE_MAX bytes; with `final` (the worker is gone) a last line without its newline too."""
+        size = os.fstat(self.fd).st_size
+        if size < self.pos:  # emptied meanwhile (by a previous controller)
+            self.pos, self._head, self._end, self._cut = 0, bytearray(), bytearray(), 0
+        data = os.pread(self.fd, min(self.CHUNK, size - self.pos), self.pos)
+        self.pos += len(data)
+        self.behind = size - self.pos
+        parts = data.split(b"\n")
+        out = []
+        for i, part in enumerate(parts):
+            self._add(part)
+            if i < len(parts) - 1 or (final and not self.behind and self._started()):
+                out.append(self._take())
+        if self.pos >= LOG_MAX and not self.behind and not self._started():
+            os.ftruncate(self.fd, 0)  # what the worker writes in this very instant is lost
+            self.pos = 0
+        return out
+
+    def close(self, remove: bool = False) -> None:
+        os.close(self.fd)
+        if remove and self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def _started(self) -> bool:
+        return bool(self._head or self._cut or self._end)
+
+    def _add(self, b: bytes) -> None:
+        room = LINE_MAX - LINE_END - len(self._head)
+        if room > 0:
+            self._head += b[:room]
+            b = b[room:]
+        if b:
+            self._end += b
+            if len(self._end) > LINE_END:
+                self._cut += len(self._end) - LINE_END
+                del self._end[:-LINE_END]
+
+    def _take(self) -> bytes:
+        line = bytes(self._head) + (f" ... [{self._cut} bytes cut] ... ".encode() if self._cut else b"") + bytes(self._end)
+        self._head, self._end, self._cut = bytearray(), bytearray(), 0
+        return line
+
+    def _bounded(self, line: bytes) -> bytes:
+        self._add(line)
+        return self._take()
+
+
+def _pass_on(lines: list[bytes]) -> None:
+    """Write a worker's lines to our stderr; a failure there (closed, a broken pipe) loses them."""
+    out = sys.stderr
+    try:
+        if getattr(out, "buffer", None) is not None:
+            out.buffer.write(b"".join(ln + b"\n" for ln in lines))
+        else:
+            out.write("".join(ln.decode(errors="replace") + "\n" for ln in lines))
+        out.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _report_line(line: str) -> str:
+    n = _REPORT_LINE
+    return line if len(line) <= n else f"{line[:n * 3 // 4]} ... {line[-n // 4:]}"
+
+
 @dataclasses.dataclass(slots=True)
 class _Rank:
     proc: asyncio.subprocess.Process | None = None
@@ -212,7 +326,8 @@ class _Rank:
     state: str = "STARTING"  # STARTING | ADOPTING | RUNNING | RESTARTING | FAILED | STOPPED
     error: str = ""  # the last failure: exit status and the tail of its stderr
     tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
-    reader: asyncio.Task | None = None
+    log: WorkerLog | None = None  # its stderr
+    reader: asyncio.Task | None = None  # follows `log`
 
     @property
     def pid(self) -> int:
@@ -291,6 +406,8 @@ class Supervisor:
             self._due.pop(rank, None)
             self.adoptions += 1
             log.info("adopted %s worker rank %d (pid %d), left running by the previous controller", self.role, rank, pid)
+            self._open_log(rank, adopted=True)
+            self._follow_log(rank, lambda: pid_alive(pid))
             self._save()
 
     # -- the run file ------------------------------------------------------------------------
@@ -337,48 +454,83 @@ class Supervisor:
     # -- running -------------------------------------------------------------------------
     async def _spawn(self, rank: int) -> None:
         r = self.ranks[rank]
-        r.tail.clear()
         r.attached, r.adopted = False, 0
         r.argv = list(self.command(rank))
-        r.proc = await asyncio.create_subprocess_exec(*r.argv, stdin=asyncio.subprocess.DEVNULL,
-                                                      stderr=asyncio.subprocess.PIPE,
+        self._open_log(rank)
+        r.proc = await asyncio.create_subprocess_exec(*r.argv, stdin=asyncio.subprocess.DEVNULL, stderr=r.log.fd,
                                                       env={**os.environ, **self.env, SUPERVISOR_PID: str(os.getpid())})
         r.started, r.state = time.monotonic(), "RUNNING"
         self.starts += 1
-        r.reader = asyncio.get_running_loop().create_task(self._forward(r.proc, r.tail))
+        proc = r.proc
+        self._follow_log(rank, lambda: proc.returncode is None)
         log.info("started %s worker rank %d (pid %d)", self.role, rank, r.proc.pid)
         self._save()
 
-    @staticmethod
-    async def _forward(proc: asyncio.subprocess.Process, tail: collections.deque) -> None:
-        """Pass the worker's stderr through to ours, keeping its last lines."""
-        assert proc.stderr is not None
+    def _open_log(self, rank: int, adopted: bool = False) -> None:
+        """A fresh WorkerLog for `rank` (its file in the run folder, when there is one); for an
+        `adopted` worker, with the last lines it wrote so far as its tail."""
+        r = self.ranks[rank]
+        if r.reader is not None:
+            r.reader.cancel()  # the previous process's, if it has not finished
+        if r.log is not None:
+            r.log.close()
+        r.tail.clear()
+        path = f"{os.path.splitext(self.run_file)[0]}.worker{rank}.log" if self.run_file else ""
+        try:
+            r.log = WorkerLog(path)
+        except OSError as e:
+            log.warning("cannot open %s (%s): %s worker rank %d logs to a file without a name, which a restarted "
+                        "controller cannot read", path, e, self.role, rank)
+            r.log = WorkerLog()
+        if adopted:
+            r.tail.extend(ln.decode(errors="replace").rstrip() for ln in r.log.last_lines())
+
+    def _follow_log(self, rank: int, live: Callable[[], bool]) -> None:
+        r = self.ranks[rank]
+        r.reader = asyncio.get_running_loop().create_task(self._follow(r.log, r.tail, live))
+
+    async def _follow(self, wlog: WorkerLog, tail: collections.deque, live: Callable[[], bool]) -> None:
+        """Pass a worker's log on to our stderr, keeping its last lines, until the worker is gone
+        and everything it wrote is read. Only cancelling stops it: a line of any length is cut
+        (`WorkerLog`), a failure to pass lines on loses them, and one to read is retried while the
+        worker lives."""
+        failed = False
         while True:
-            line = await proc.stderr.readline()
-            if not line:
-                return
-            tail.append(line.decode(errors="replace").rstrip())
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+            try:
+                done = not live()
+                lines = wlog.read(final=done)
+                tail.extend(ln.decode(errors="replace").rstrip() for ln in lines)
+                if lines:
+                    _pass_on(lines)
+                if done and not wlog.behind:
+                    return
+            except Exception as e:  # noqa: BLE001 - never stop reading while the worker may write
+                if not failed:
+                    log.warning("cannot read a %s worker's log %s (%s); retrying", self.role, wlog.path or "(unnamed)", e)
+                failed = True
+                if not live():
+                    return
+            await asyncio.sleep(0 if wlog.behind else self.poll)
 
     async def _exited(self, rank: int) -> float:
         """Record a worker's exit; returns the delay before it is started again (<0: give up)."""
         r = self.ranks[rank]
         proc = r.proc
         lived = time.monotonic() - r.started
+        if r.reader is not None:
+            try:
+                await asyncio.wait_for(r.reader, 2.0)  # the last lines it wrote
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        lines = [_report_line(ln) for ln in r.tail if ln.strip()][-5:]
+        words = ": " + " | ".join(lines) if lines else ""
         if proc is None:  # an adopted worker: not our child, its exit status is its first parent's
-            r.error = f"pid {r.adopted} (adopted) exited after {lived:.1f}s"
+            r.error = f"pid {r.adopted} (adopted) exited after {lived:.1f}s" + words
             r.adopted = 0
         else:
-            if r.reader is not None:
-                try:
-                    await asyncio.wait_for(r.reader, 2.0)  # the last lines it wrote
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    pass
             code = proc.returncode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-            lines = [ln for ln in r.tail if ln.strip()][-5:]
-            r.error = f"pid {proc.pid} {how} after {lived:.1f}s" + (": " + " | ".join(lines) if lines else "")
+            r.error = f"pid {proc.pid} {how} after {lived:.1f}s" + words
         r.failures = r.failures + 1 if lived < self.healthy_after and not r.attached else 1
         if r.failures >= self.max_failures:
             r.state = "FAILED"
@@ -451,12 +603,18 @@ class Supervisor:
                     except (ProcessLookupError, PermissionError):
                         pass
             await asyncio.gather(*(p.wait() for p in procs))
+        readers = [r.reader for r in self.ranks.values() if r.reader is not None and not r.reader.done()]
+        if readers:
+            await asyncio.wait(readers, timeout=1.0)  # the last lines they wrote
         for r in self.ranks.values():
             if r.state != "FAILED":
                 r.state = "STOPPED"
             r.adopted = 0
             if r.reader is not None:
                 r.reader.cancel()
+            if r.log is not None:
+                r.log.close(remove=True)  # a clean stop: their lines went to our stderr
+                r.log = None
         if self.run_file:  # a clean stop leaves nothing to adopt
             try:
                 os.unlink(self.run_file)

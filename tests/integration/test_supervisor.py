@@ -2,6 +2,7 @@
 start is given up after a few tries with its error shown, never restarted in a storm."""
 
 import asyncio
+import io
 import json
 import os
 import pathlib
@@ -16,7 +17,7 @@ import grpc
 import pytest
 import tomllib
 
-from reshard.common.control.supervisor import Supervisor, module_command, pid_alive
+from reshard.common.control.supervisor import LINE_MAX, LOG_MAX, Supervisor, module_command, pid_alive
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 
@@ -256,3 +257,145 @@ def test_services_run_from_a_folder_holding_a_reshard_package(tmp_path, installe
         assert "No module named" not in log_path.read_text()
     finally:
         stop_processes(procs)
+
+
+def _wait_given_up(sup: Supervisor, within: float) -> None:
+    async def go():
+        task = asyncio.get_running_loop().create_task(sup.run())
+        t0 = time.monotonic()
+        try:
+            while sup.state(0) != "FAILED":
+                assert time.monotonic() - t0 < within, f"the worker did not exit within {within}s: {sup.state(0)}"
+                await asyncio.sleep(0.05)
+        finally:
+            sup.stopping = True
+            await task
+            await sup.stop()
+
+    asyncio.run(go())
+
+
+def test_a_long_log_line_never_wedges_a_worker(capfd):
+    """A worker that logs a 1 MiB line (a 100 KB `--tensors` pattern, a 1 MiB update id) used to
+    kill the supervisor's reader of its stderr (asyncio's 64 KiB line limit): the worker then
+    blocked writing and never answered again. Now it goes on and exits normally; what is passed on
+    and kept is each line cut to LINE_MAX, its head and its end, and its last words are in its
+    exit report."""
+    script = ("import sys; w = sys.stderr.write; w('x' * (1 << 20) + '\\n'); "
+              "[w(f'line {i}\\n') for i in range(2000)]; w('BEGIN' + 'y' * (1 << 20) + 'END\\n'); sys.exit(7)")
+    sup = Supervisor("trainer", 1, lambda rank: [sys.executable, "-c", script], max_failures=1, poll=0.02)
+    _wait_given_up(sup, 20)
+    err = sup.error(0)
+    assert "exit status 7" in err and "line 1999" in err, err
+    last = sup.ranks[0].tail[-1]
+    assert last.startswith("BEGINyyy") and last.endswith("yyyEND") and "bytes cut" in last, last[:200]
+    assert len(last.encode()) < LINE_MAX + 100
+    passed_on = capfd.readouterr().err.splitlines()
+    assert "line 1999" in passed_on and any(ln.startswith("BEGINyyy") and ln.endswith("yyyEND") for ln in passed_on)
+    assert max(len(ln.encode()) for ln in passed_on) < LINE_MAX + 100
+
+
+def test_a_worker_log_that_cannot_be_passed_on_is_still_read(monkeypatch):
+    """The reader survives any failure to pass a line on (our own stderr closed, a broken pipe):
+    it keeps reading until the worker is done, so the worker never blocks on its log and its
+    last words are kept."""
+
+    class Broken(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(Broken())))
+    script = "import sys; [print(f'line {i}', file=sys.stderr) for i in range(20000)]; sys.exit(5)"
+    sup = Supervisor("trainer", 1, lambda rank: [sys.executable, "-c", script], max_failures=1, poll=0.02)
+    _wait_given_up(sup, 20)
+    assert "exit status 5" in sup.error(0) and "line 19999" in sup.error(0), sup.error(0)
+
+
+def _ready(addr: str, log_path: pathlib.Path, what: str, within: float = 60) -> pb.Status:
+    t0 = time.monotonic()
+    while True:
+        st = _status(addr)
+        if st is not None and st.workers and all(w.state == "READY" for w in st.workers) and st.serving_state == "SERVING":
+            return st
+        assert time.monotonic() - t0 < within, f"{what}: {st}\n" + log_path.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def _wait_for(log_path: pathlib.Path, text: str, within: float = 15) -> str:
+    t0 = time.monotonic()
+    while text not in log_path.read_text():
+        assert time.monotonic() - t0 < within, f"{text!r} not in the log:\n" + log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    return log_path.read_text()
+
+
+@pytest.mark.integration
+def test_adopted_workers_keep_their_log_and_last_words(tmp_path):
+    """A restarted controller adopts the workers its predecessor left, whose stderr was a pipe to
+    the dead controller: what they wrote afterwards was lost, and a later death was reported without
+    their last words. Workers now write their stderr to a file in the run folder, which the new
+    controller follows: their lines reach its log, and a death carries its last lines."""
+    inf = f"127.0.0.1:{free_port()}"
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, RESHARD_RUN_DIR=str(run_dir))
+    cmd = [*module_command("reshard.cli"), "inference", "--listen", inf, "--workers", "2", "--model", "tiny"]
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+
+    def start(log_path):
+        with open(log_path, "w") as log:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+    first = start(logs[0])
+    procs = [first]
+    try:
+        pids = {w.rank: w.pid for w in _ready(inf, logs[0], "first start").workers}
+        first.kill()
+        first.wait()
+        second = start(logs[1])
+        procs.append(second)
+        st = _ready(inf, logs[1], "after the restart")
+        assert {w.rank: w.pid for w in st.workers} == pids, "the restarted controller did not adopt the workers"
+        # the worker's own word that it was adopted (it logs it once it sees its new controller)
+        _wait_for(logs[1], f"inference-worker[0] WARNING adopted by controller pid {second.pid}")
+        os.kill(pids[0], signal.SIGKILL)
+        text = _wait_for(logs[1], f"pid {pids[0]} (adopted) exited")
+        report = next(ln for ln in text.splitlines() if f"pid {pids[0]} (adopted) exited" in ln)
+        assert "inference-worker[0]" in report, report  # its last words
+        st = _ready(inf, logs[1], "after the adopted worker's death")
+        assert st.workers[0].pid != pids[0]
+        stop_processes([second])
+        assert not list(run_dir.glob("*.log")), "a clean stop leaves no worker log behind"
+    finally:
+        stop_processes(procs)
+        for pid in live_members(first.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_log_file_stays_bounded(tmp_path):
+    """A worker's log file in the run folder (often in memory) is emptied once read past LOG_MAX;
+    reading goes on from its new start, and the worker's later lines still arrive."""
+    script = ("import sys, time; [print(f'line {i} ' + 'z' * 200, file=sys.stderr) for i in range(40000)]; "
+              "print('after the flood', file=sys.stderr, flush=True); time.sleep(60)")
+    sup = Supervisor("trainer", 1, lambda rank: [sys.executable, "-c", script], poll=0.02,
+                     run_file=str(tmp_path / "trainer-x.json"))
+    log_file = tmp_path / "trainer-x.worker0.log"
+
+    async def go():
+        task = asyncio.get_running_loop().create_task(sup.run())
+        t0 = time.monotonic()
+        try:
+            while "after the flood" not in list(sup.ranks[0].tail):
+                assert time.monotonic() - t0 < 20, list(sup.ranks[0].tail)[-3:]
+                await asyncio.sleep(0.05)
+            return log_file.stat().st_size
+        finally:
+            sup.stopping = True
+            await task
+            await sup.stop()
+
+    size = asyncio.run(go())
+    assert 40000 * 210 > 2 * LOG_MAX and size < LOG_MAX, size
+    assert not log_file.exists()  # a clean stop removes it
