@@ -352,7 +352,8 @@ async def cmd_status(a) -> int:
     p = st.progress
     if st.update_in_progress:
         pct = 100.0 * p.bytes_done / p.bytes_total if p.bytes_total else 0.0
-        print(f"  update {p.version.run}:{p.version.step}: {p.phase} {p.bytes_done}/{p.bytes_total} bytes ({pct:.0f}%)")
+        print(f"  update {p.version.run}:{p.version.step}: {p.phase} {p.bytes_done}/{p.bytes_total} bytes ({pct:.0f}%)"
+              + (f": {p.detail}" if p.detail else ""))
     if st.last_error:
         print(f"  last error: {st.last_error}")
     if st.worker_address:

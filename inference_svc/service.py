@@ -209,7 +209,11 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def GetLayout(self, request, context):
         await self._peer(context)
         try:
-            await self.hub.wait_complete(self.deadlines.rpc_s)
+            # Answered within the caller's deadline: workers still attaching are said to be so (the
+            # trainer waits for them within its update's deadline), not left to a DEADLINE_EXCEEDED.
+            left = context.time_remaining()
+            wait = self.deadlines.rpc_s if left is None else max(0.05, min(self.deadlines.rpc_s, left - 0.5))
+            await self.hub.wait_complete(wait)
             _, fp, data = await self.hub.layout()
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -53,18 +53,20 @@ class WorkerHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., detail: _Optional[str] = ..., requests_served: _Optional[int] = ..., requests_by_version: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., memory: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class UpdateProgress(_message.Message):
-    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "update_id")
+    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "update_id", "detail")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     phase: str
     bytes_done: int
     bytes_total: int
     version: Version
     update_id: str
-    def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
+    detail: str
+    def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
     __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note", "phase_seconds", "control_bytes", "max_control_message_bytes", "max_control_message")

@@ -41,6 +41,15 @@ class UpdateFailed(RuntimeError):
     pass
 
 
+def _unreachable(e: grpc.aio.AioRpcError) -> str:
+    """How a failed call to inference reads: refused credentials are not 'unreachable'."""
+    if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return "refused this trainer's credentials"
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "did not answer in time"
+    return "unreachable"
+
+
 class Deployment:
     """One attached inference deployment: its channel, data-plane session, plans and state."""
 
@@ -91,6 +100,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         hub.on_stale = self._on_disconnect
         hub.on_attach = self._on_attach
         self.published: pb.Version | None = None
+        self.wait_detail = ""  # what phase WAITING waits for (status)
         self.last_release: wpb.Release | None = None  # sent again to a worker that attaches after it
         self.target_step = 0
         self.auto_push = True  # embedded workers: every publish(step) is pushed
@@ -247,7 +257,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             st.has_committed = True
         busy = self.phase not in ("IDLE", "DONE", "ABORT")
         st.update_in_progress = busy
-        st.progress.CopyFrom(pb.UpdateProgress(phase=self.phase, bytes_done=sum(self.progress_done.values()), bytes_total=self.progress_total))
+        st.progress.CopyFrom(pb.UpdateProgress(phase=self.phase, bytes_done=sum(self.progress_done.values()),
+                                               bytes_total=self.progress_total, detail=self.wait_detail))
         if self.current is not None:
             st.progress.version.CopyFrom(self.current)
         st.serving_state = "SERVING" if self.hub.complete() else ("DEGRADED" if self.hub.alive() else "NOT_SERVING")
@@ -375,9 +386,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 
     async def take_step(self, version: pb.Version) -> pb.UpdateOutcome | None:
         """Standalone workers: take the simulated optimizer step(s) up to `version` and publish it."""
-        self.phase, self.current = "STEP", version
+        self.current = version
         try:
-            await self.hub.wait_complete(self.deadlines.rpc_s)
+            await self._wait_workers(time.monotonic() + self.deadlines.update_s)
+            self.phase = "STEP"
             await self.hub.call_all(self.deadlines.update_s, step=wpb.Step(version=version))
         except WorkerError as e:
             msg = f"trainer workers could not take step {version.step}: {e}"
@@ -388,6 +400,21 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             w.version = version
         self.published = version
         return None
+
+    async def _wait_workers(self, deadline: float) -> None:
+        """An update asked for before every trainer worker attached (they import torch first: seconds
+        on a loaded machine) waits for them within its own deadline, in phase WAITING, which status
+        shows with the ranks it waits for."""
+        if self.hub.complete():
+            return
+        self.phase, self.wait_detail = "WAITING", "trainer workers not attached yet"
+        missing = sorted(set(range(self.hub.world)) - {w.rank for w in self.hub.alive()})
+        log.info("update waits for trainer workers %s to attach (up to %.0fs)", missing, deadline - time.monotonic())
+        self.wait_detail = f"trainer workers {missing} not attached yet"
+        try:
+            await self.hub.wait_complete(max(0.0, deadline - time.monotonic()))
+        finally:
+            self.wait_detail = ""
 
     async def run_update(self, version: pb.Version, patterns: tuple[str, ...] = ()) -> pb.UpdateOutcome:
         """Push `version` to every attached deployment, one after the other: each has its own
@@ -438,16 +465,27 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     continue
                 raise UpdateFailed(e.details()) from None  # inference aborted it itself, or the deadline passed
 
-    async def _dest_layout(self, d: Deployment) -> tuple[str, Layout, bytes]:
+    async def _dest_layout(self, d: Deployment, deadline: float) -> tuple[str, Layout, bytes]:
         """The deployment's layout; only its fingerprint travels while it is unchanged."""
         known = d.dst[0] if d.dst else ""
         req = pb.GetLayoutRequest(known_fingerprint=known)
-        try:
-            # The update's first call to inference: an inference controller that came up (or back) while
-            # this channel was between connection attempts is waited for, not reported unreachable.
-            lr = await d.stub.GetLayout(req, timeout=min(self.deadlines.rpc_s, RECONNECT_S + 0.5), wait_for_ready=True)
-        except grpc.aio.AioRpcError as e:
-            raise UpdateFailed(f"inference at {d.address} unreachable: {status_error(e)}") from None
+        while True:
+            try:
+                # The update's first call to inference: an inference controller that came up (or back) while
+                # this channel was between connection attempts is waited for, not reported unreachable.
+                lr = await d.stub.GetLayout(req, timeout=min(self.deadlines.rpc_s, RECONNECT_S + 0.5), wait_for_ready=True)
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "are not attached" in (e.details() or ""):
+                    # Reachable, its workers still starting: waited for within the update's deadline.
+                    if time.monotonic() + 0.5 < deadline:
+                        self.phase, self.wait_detail = "WAITING", f"inference at {d.address}: {e.details()}"
+                        await asyncio.sleep(0.5)
+                        continue
+                    raise UpdateFailed(f"inference at {d.address} is not ready: {e.details()}") from None
+                raise UpdateFailed(f"inference at {d.address} {_unreachable(e)}: {status_error(e)}") from None
+            finally:
+                self.wait_detail = ""
         self.hub.meter.add("GetLayoutRequest", req)
         self.hub.meter.add("LayoutReply", lr)
         if lr.model and self.model and lr.model != self.model:
@@ -520,13 +558,13 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address, update_id=uid)
         try:
             # NEGOTIATE: layouts and plans are kept while unchanged (fingerprints alone travel).
+            await self._wait_workers(deadline)
             self.phase = d.phase = "NEGOTIATE"
             faults.at_phase("trainer", "NEGOTIATE", workers=self.hub)
             self.hub.meter.reset()
-            await self.hub.wait_complete(self.deadlines.rpc_s)
             loop = asyncio.get_running_loop()
             src, src_fp, src_bytes = await self.hub.layout()
-            dst_fp, dst, dst_bytes = await self._dest_layout(d)
+            dst_fp, dst, dst_bytes = await self._dest_layout(d, deadline)
             try:
                 backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)),
                                          {w.rank: w.hello.device_uuid for w in self.hub.alive()}, dict(enumerate(self._gpus)))

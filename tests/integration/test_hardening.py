@@ -306,3 +306,49 @@ def test_a_second_worker_for_a_live_rank_is_refused_and_says_so():
             if w is not None:
                 w.stop()
         svc.close()
+
+
+SLOW_START = '''import os, time
+with open("/proc/self/cmdline", "rb") as f:
+    _cmd = f.read()
+if b"standalone" in _cmd and os.environ.get("RESHARD_TEST_SLOW_START"):
+    time.sleep(float(os.environ["RESHARD_TEST_SLOW_START"]))  # a worker's imports on a loaded machine
+'''
+
+
+def test_an_update_asked_for_before_the_workers_attached_waits_for_them(tmp_path):
+    """Item 8: with the services started as the README says and `reshard update --wait` run as soon
+    as status answers, the first update must wait (within its own deadline) for workers that are
+    slow to start, and status says what it waits for. Here every standalone worker takes 4 s longer
+    to start than the control-plane deadline (a sitecustomize on their path sleeps first)."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    env = dict(os.environ, RESHARD_TEST_SLOW_START="5",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH", "")])))
+    inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2",
+                          "--model", "tiny", "--rpc-timeout", "1"], env=env, stderr=subprocess.DEVNULL,
+                         start_new_session=True),
+        subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", tr, "--workers", "2", "--model",
+                          "tiny", "--inference", inf, "--run", "busy", "--rpc-timeout", "1"], env=env,
+                         stderr=subprocess.DEVNULL, start_new_session=True),
+    ]
+    try:
+        t0 = time.monotonic()
+        while cli("status", "--trainer", tr, "--json", timeout=30).returncode != 0:
+            assert time.monotonic() - t0 < 60, "the trainer controller never answered"
+            time.sleep(0.1)
+        upd = subprocess.Popen([sys.executable, "-m", "reshard.cli", "update", "--trainer", tr, "--wait", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = ""
+        while upd.poll() is None and not seen:
+            st = json.loads(cli("status", "--trainer", tr, "--json", check=True).stdout)
+            if st["progress"]["phase"] == "WAITING":
+                seen = st["progress"]["detail"]
+            time.sleep(0.1)
+        out, err = upd.communicate(timeout=120)
+        assert upd.returncode == 0, err
+        assert json.loads(out)["committed"]["step"] == 1
+        assert "not attached yet" in seen, seen
+    finally:
+        stop_processes(procs)
