@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -317,7 +318,7 @@ def _report_line(line: str) -> str:
 
 @dataclasses.dataclass(slots=True)
 class _Rank:
-    proc: asyncio.subprocess.Process | None = None
+    proc: subprocess.Popen | None = None
     adopted: int = 0  # pid of a worker the previous controller started (not our child), once it attached
     argv: list[str] = dataclasses.field(default_factory=list)  # its command line, recorded in the run file
     started: float = 0.0
@@ -332,7 +333,7 @@ class _Rank:
     @property
     def pid(self) -> int:
         """The live process holding this rank (0: none)."""
-        if self.proc is not None and self.proc.returncode is None:
+        if self.proc is not None and self.proc.poll() is None:
             return self.proc.pid
         return self.adopted
 
@@ -457,12 +458,18 @@ class Supervisor:
         r.attached, r.adopted = False, 0
         r.argv = list(self.command(rank))
         self._open_log(rank)
-        r.proc = await asyncio.create_subprocess_exec(*r.argv, stdin=asyncio.subprocess.DEVNULL, stderr=r.log.fd,
-                                                      env={**os.environ, **self.env, SUPERVISOR_PID: str(os.getpid())})
+        # subprocess, not asyncio's (uvloop's) subprocess: that one fork()s this gRPC process, and
+        # gRPC's fork handlers then run in it (with gRPC's threads busy they skip their work, and
+        # once in about 30 starts the child died of SIGSEGV before its exec). Popen without
+        # preexec_fn and without uid/gid changes starts the child with vfork (Python 3.10+ on
+        # Linux; posix_spawn where close_fds is off), which runs no fork handlers. So no
+        # GRPC_ENABLE_FORK_SUPPORT is needed: a controller never forks.
+        r.proc = subprocess.Popen(r.argv, stdin=subprocess.DEVNULL, stderr=r.log.fd, close_fds=True,
+                                  env={**os.environ, **self.env, SUPERVISOR_PID: str(os.getpid())})
         r.started, r.state = time.monotonic(), "RUNNING"
         self.starts += 1
         proc = r.proc
-        self._follow_log(rank, lambda: proc.returncode is None)
+        self._follow_log(rank, lambda: proc.poll() is None)
         log.info("started %s worker rank %d (pid %d)", self.role, rank, r.proc.pid)
         self._save()
 
@@ -559,7 +566,7 @@ class Supervisor:
             for rank, r in self.ranks.items():
                 if self.stopping:
                     break
-                if r.state == "RUNNING" and ((r.proc is not None and r.proc.returncode is not None)
+                if r.state == "RUNNING" and ((r.proc is not None and r.proc.poll() is not None)
                                              or (r.proc is None and not pid_alive(r.adopted))):
                     wait = await self._exited(rank)
                     if wait >= 0:
@@ -579,7 +586,7 @@ class Supervisor:
 
     async def stop(self, grace: float = 5.0) -> None:
         self.stopping = True
-        procs = [r.proc for r in self.ranks.values() if r.proc is not None and r.proc.returncode is None]
+        procs = [r.proc for r in self.ranks.values() if r.proc is not None and r.proc.poll() is None]
         adopted = [r.adopted for r in self.ranks.values() if r.proc is None and r.adopted]
         for p in procs:
             p.terminate()
@@ -589,10 +596,10 @@ class Supervisor:
             except (ProcessLookupError, PermissionError):
                 pass
         try:
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs), self._gone(adopted)), grace)
+            await asyncio.wait_for(asyncio.gather(self._reaped(procs), self._gone(adopted)), grace)
         except asyncio.TimeoutError:
             for p in procs:
-                if p.returncode is None:
+                if p.poll() is None:
                     log.warning("%s worker pid %d ignored SIGTERM; killing it", self.role, p.pid)
                     p.kill()
             for pid in adopted:
@@ -602,7 +609,7 @@ class Supervisor:
                         os.kill(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
-            await asyncio.gather(*(p.wait() for p in procs))
+            await self._reaped(procs)
         readers = [r.reader for r in self.ranks.values() if r.reader is not None and not r.reader.done()]
         if readers:
             await asyncio.wait(readers, timeout=1.0)  # the last lines they wrote
@@ -620,6 +627,11 @@ class Supervisor:
                 os.unlink(self.run_file)
             except OSError:
                 pass
+
+    @staticmethod
+    async def _reaped(procs: list[subprocess.Popen]) -> None:
+        while any(p.poll() is None for p in procs):
+            await asyncio.sleep(0.05)
 
     @staticmethod
     async def _gone(pids: list[int]) -> None:

@@ -374,6 +374,33 @@ def test_adopted_workers_keep_their_log_and_last_words(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
+def test_controller_starts_workers_without_forking(tmp_path):
+    """A worker died of SIGSEGV once in about 30 restarts, 0.1 s after it was forked from the
+    gRPC-serving controller. asyncio's (uvloop's) subprocess forks, and a fork() runs gRPC's fork
+    handlers, which skip their work while gRPC threads run ("skipping fork() handlers", logged at
+    INFO). Workers are now started by vfork/posix_spawn (subprocess.Popen), which runs no fork
+    handlers: gRPC never sees a fork, at the first start or at a restart."""
+    inf = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, RESHARD_RUN_DIR=str(tmp_path / "run"), GRPC_VERBOSITY="info")
+    log_path = tmp_path / "inference.log"
+    cmd = [*module_command("reshard.cli"), "inference", "--listen", inf, "--workers", "2", "--model", "tiny"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    try:
+        pids = {w.rank: w.pid for w in _ready(inf, log_path, "first start").workers}
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        while _ready(inf, log_path, "after a worker's death").workers[1].pid == pids[1]:
+            assert time.monotonic() - t0 < 30, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        stop_processes([proc])
+    text = log_path.read_text()
+    assert "started inference worker rank 1" in text and "restarting it in" in text
+    assert "fork_posix" not in text and "fork()" not in text, [ln for ln in text.splitlines() if "fork" in ln]
+
+
 def test_a_worker_log_file_stays_bounded(tmp_path):
     """A worker's log file in the run folder (often in memory) is emptied once read past LOG_MAX;
     reading goes on from its new start, and the worker's later lines still arrive."""
