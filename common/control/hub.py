@@ -457,7 +457,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
         wgrpc.add_WorkerControlServicer_to_server(hub, server)
         return [wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
 
-    server, hs, port = await start_server(listen, register)
+    server, hs, port = await start_server(listen, register, services=[service])
     addr = f"{local_host(listen)}:{port}"
     runs = run_file(hub.role, addr) if uses_run_dir else ""
     worker_listen = worker_listen or f"unix:{runs[:-len('.json')]}.sock"
@@ -466,7 +466,8 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     token = (recorded_worker_token(runs) or secrets.token_urlsafe(32)) if command else ""
     try:
         wserver, whs, wport = await start_server(worker_listen, register_workers, worker_tokens=[token] if token else [],
-                                                 what="worker listen address")
+                                                 what="worker listen address",
+                                                 services=[wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name])
     except BaseException:
         await stop_server(server, hs, 0)
         raise

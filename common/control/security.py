@@ -52,16 +52,26 @@ METHOD_ROLES = {
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # liveness and the schema: no weights
 
 _MIB = 1 << 20
-# The largest request each method takes, in serialized bytes (the servers' transport limit,
-# common/control/rpc.py MAX_MESSAGE_BYTES, is the largest of these: a big model's layout). A bigger one is
-# refused with RESOURCE_EXHAUSTED before it is parsed.
+# The largest request each method takes, in serialized bytes. A bigger one is refused with
+# RESOURCE_EXHAUSTED before it is parsed. gRPC has no per-method receive limit: each server's
+# transport limit (`receive_limit`) is the largest of its methods', and gRPC refuses a message over
+# it from the length its frame declares, before buffering it; a smaller method's limit is checked
+# once the message is read. The largest control message measured is 1.4 MB (DeepSeek-V3, 128 -> 128
+# ranks, docs/design.md): 64 MiB leaves a wide margin.
 METHOD_LIMITS = {
     "/reshard.v1.TrainerService/TriggerUpdate": _MIB,  # tensor name patterns
-    "/reshard.v1.InferenceService/BeginUpdate": 256 * _MIB,  # the source layout (columns, compressed)
+    "/reshard.v1.InferenceService/BeginUpdate": 64 * _MIB,  # the source layout (columns, compressed)
     "/reshard.v1.InferenceService/FinishUpdate": 64 * _MIB,  # 4 to 8 bytes of checksum per piece
-    "/reshard.worker.v1.WorkerControl/Attach": 256 * _MIB,  # a rank's layout; a rank's checksums
+    "/reshard.worker.v1.WorkerControl/Attach": 64 * _MIB,  # a rank's layout; a rank's checksums
 }
 DEFAULT_LIMIT = 64 << 10  # every other request: an address, a version, a tensor name
+
+
+def receive_limit(services=None) -> int:
+    """The transport's receive limit of a server that serves `services` (full names; None: all of
+    ours): the largest request any of their methods takes."""
+    return max(METHOD_LIMITS.get(m, DEFAULT_LIMIT) for m in METHOD_ROLES
+               if services is None or m[1:].rsplit("/", 1)[0] in services)
 
 
 class SecurityError(ValueError):
@@ -373,15 +383,16 @@ def _limited(handler, method: str, limit: int):
 
 
 def _refuse(handler, code: grpc.StatusCode, message: str):
-    """A handler of the same kind as `handler` that only aborts with `code`."""
-    async def unary(request, context):
-        await context.abort(code, message)
-
-    async def streaming(request, context):
+    """A handler that aborts with `code` without reading the request: a refused caller's message is
+    never received whole, let alone parsed (a handler that takes a single request would be given it
+    only once it had all arrived). The wire is the same for every kind of call, so a handler that
+    takes a stream of requests answers a unary call as well."""
+    async def refuse(requests, context):
         await context.abort(code, message)
         yield  # pragma: no cover - never reached: abort raises
 
-    return _handler_like(handler, streaming if handler.response_streaming else unary, handler.request_deserializer)
+    return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=None,
+                                                 response_serializer=handler.response_serializer)
 
 
 def _handler_like(handler, behavior, request_deserializer):

@@ -324,6 +324,36 @@ def test_oversized_and_malformed_requests_and_layout_bombs_are_refused(secure):
     assert after.serving_state == "SERVING" and after.version == served.version
 
 
+def test_unauthenticated_requests_are_refused_before_they_are_read(secure):
+    """Requests sent at once to the inference controller: four of 100 MiB and four of 60 MiB without a
+    token, two of 100 MiB with the peer token. Those without a token are refused without being read
+    (UNAUTHENTICATED; or RESOURCE_EXHAUSTED from the length declared, over the 64 MiB transport
+    limit), those with one RESOURCE_EXHAUSTED from their declared length; the controller's peak
+    resident memory does not grow by the size of any of them (with the old 256 MiB limit, and the
+    request read before the token check, it grew by gigabytes). The trainer's limit is 1 MiB."""
+    import concurrent.futures
+
+    pid = _controller_pid(secure, "inference")
+    rss0 = _peak_rss_mib(pid)
+    begin = "/reshard.v1.InferenceService/BeginUpdate"
+    over, under = bytes(100 << 20), bytes(60 << 20)
+    sends = [(secure.inf, begin, over, None)] * 4 + [(secure.inf, begin, under, None)] * 4 + \
+            [(secure.inf, begin, over, TOKENS["peer"])] * 2 + \
+            [(secure.tr, "/reshard.v1.TrainerService/TriggerUpdate", bytes(2 << 20), TOKENS["operator"])]
+    with concurrent.futures.ThreadPoolExecutor(len(sends)) as pool:
+        got = list(pool.map(lambda a: _raw(a[0], secure.pki, a[1], a[2], a[3], timeout=60), sends))
+    rss1 = _peak_rss_mib(pid)
+    print(f"inference controller peak RSS {rss0:.0f} -> {rss1:.0f} MiB across 4 x 100 MiB and 4 x 60 MiB unauthenticated "
+          f"requests and 2 x 100 MiB authenticated ones: {[c.name for c, _ in got]}")
+    refused = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert all(c in refused for c, _ in got[:4]), got[:4]
+    assert all(c == grpc.StatusCode.UNAUTHENTICATED for c, _ in got[4:8]), got[4:8]
+    assert all(c == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in d for c, d in got[8:]), got[8:]
+    assert rss1 - rss0 < 48, (rss0, rss1)
+    st = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
+    assert st.serving_state == "SERVING"
+
+
 def _controller_pid(secure, role: str) -> int:
     """The controller's own pid: the process group leader started by the fixture."""
     return secure.pids[0 if role == "inference" else 1]
