@@ -106,7 +106,7 @@ def _positive(s: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="reshard", description="Parallel weight resharding for disaggregated RL")
-    ap.add_argument("--log-level", default=os.environ.get("RESHARD_LOG_LEVEL", "INFO"))
+    ap.add_argument("--log-level", type=_log_level, default=os.environ.get("RESHARD_LOG_LEVEL", "INFO"))
     sub = ap.add_subparsers(dest="command", required=True)
 
     def service_args(p, workers: str) -> None:
@@ -399,6 +399,43 @@ async def cmd_dump(a) -> int:
     return 0
 
 
+def _env_number(name: str, kind, low: float, what: str) -> None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not {what}") from None
+    if value < low:
+        raise ValueError(f"environment variable {name}={raw!r} must be at least {low} ({what})")
+
+
+def check_environment() -> None:
+    """Every RESHARD_* variable a service or its workers read, checked before anything starts: a bad
+    value is refused here, naming it, instead of failing every update later (or a worker at import)."""
+    _env_number("RESHARD_ORPHAN_GRACE_S", float, 0, "seconds")
+    _env_number("RESHARD_STAGING_LIMIT_BYTES", int, 1 << 20, "a byte count")
+    for name in ("RESHARD_FAULT_SLOW_AFTER", "RESHARD_FAULT_SLOW_SECONDS", "RESHARD_FAULT_COMMIT_SECONDS"):
+        _env_number(name, float, -1, "a number")
+    _env_number("RESHARD_FAULT_RANK", int, 0, "a worker rank")
+    level = os.environ.get("RESHARD_LOG_LEVEL", "")
+    if level and not isinstance(logging.getLevelName(level.upper()), int):
+        raise ValueError(f"environment variable RESHARD_LOG_LEVEL={level!r} is not a log level "
+                         "(DEBUG, INFO, WARNING, ERROR)")
+    from reshard.common.control import faults  # parses RESHARD_FAULT_AT as it loads
+
+    if faults.SPEC_ERROR:
+        raise ValueError(f"environment variable RESHARD_FAULT_AT: {faults.SPEC_ERROR}")
+
+
+def _log_level(s: str) -> str:
+    if not isinstance(logging.getLevelName(s.upper()), int):
+        raise argparse.ArgumentTypeError(f"{s!r} (--log-level, or RESHARD_LOG_LEVEL) is not a log level "
+                                         "(DEBUG, INFO, WARNING, ERROR)")
+    return s
+
+
 def check_service_args(a) -> None:
     """What argparse alone cannot check in `reshard inference|trainer`; fills in --workers.
     Raises ValueError saying what to change."""
@@ -412,6 +449,14 @@ def check_service_args(a) -> None:
 
         if a.transfer_method not in transfer_methods():
             raise ValueError(f"--transfer-method {a.transfer_method!r} is not installed: {', '.join(transfer_methods())}")
+    if a.command == "trainer" and a.bucket_bytes:
+        from reshard.common.dataplane.backend import plan_options
+
+        try:
+            plan_options(a.bucket_bytes, "gloo")
+        except ValueError as e:
+            raise ValueError(f"--bucket-bytes {a.bucket_bytes}: {e} (0: the default, 16 MiB)") from None
+    check_environment()
     layout_world = world_of(a.layout) if a.layout else None
     if a.workers is None:
         a.workers = layout_world or (4 if a.command == "inference" else 2)

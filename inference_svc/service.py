@@ -63,6 +63,24 @@ class _Update:
         self.plan: Plan | None = None
 
 
+MAX_NAME = 256  # run names, tensor names and patterns
+MAX_STEP = 1 << 53  # steps: exact in every JSON reader
+MAX_WORLD = 1 << 20
+MAX_TENSORS = 1 << 20
+
+
+def _ident_ok(s: str) -> bool:
+    return 0 < len(s) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_.") for c in s)
+
+
+def _bucket_ok(bucket_bytes: int, transport: str) -> bool:
+    try:
+        plan_options(bucket_bytes, transport)
+    except ValueError:
+        return False
+    return True
+
+
 class _UnknownSource(Exception):
     """BeginUpdate named a source layout by fingerprint that this controller does not hold."""
 
@@ -225,11 +243,44 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         """Who the data plane would connect to: this controller's life and its workers' processes."""
         return f"{self.instance}:{self.hub.generation}:" + ",".join(f"{w.rank}/{w.pid}" for w in self.hub.alive())
 
+    def _check_begin(self, req: pb.BeginUpdateRequest) -> str:
+        """What is wrong with a BeginUpdate, naming the field ('' if nothing): every value is checked at
+        the door, so none fails later on the workers, or leaves the update half begun."""
+        from reshard.common.dataplane.backend import BACKENDS
+        from reshard.common.control.methods import transfer_methods
+
+        if not req.update_id or not req.version.run or not (req.src_layout or req.src_fingerprint) or not req.session.id:
+            return "BeginUpdate needs update_id, version.run, src_layout (or src_fingerprint) and session"
+        s = req.session
+        checks = [
+            (_ident_ok(req.update_id), "update_id: 1 to 64 letters, digits, '-', '_' or '.'"),
+            (_ident_ok(s.id), "session.id: 1 to 64 letters, digits, '-', '_' or '.'"),
+            (len(req.version.run) <= MAX_NAME, f"version.run: at most {MAX_NAME} characters"),
+            (0 <= req.version.step <= MAX_STEP, f"version.step: 0 to {MAX_STEP}"),
+            (s.transport in BACKENDS and s.transport != "auto", f"session.transport: one of {', '.join(BACKENDS[1:])}"),
+            (0 < s.src_world <= MAX_WORLD, f"session.src_world: 1 to {MAX_WORLD}"),
+            (s.dst_world == self.hub.world, f"session.dst_world: this deployment's {self.hub.world} ranks"),
+            (0 < s.store_port < 65536, "session.store_port: 1 to 65535"),
+            (0 < len(s.store_host) <= 255, "session.store_host: a host name or address"),
+            (len(s.key) <= 128 and len(s.nccl_unique_id) in (0, 128), "session.key / nccl_unique_id: malformed"),
+            (len(s.device_uuids) in (0, s.src_world + s.dst_world), "session.device_uuids: one per session rank"),
+            (req.bucket_bytes == 0 or _bucket_ok(req.bucket_bytes, s.transport), "bucket_bytes: 0, or what the planner takes"),
+            (len(req.tensors) <= MAX_TENSORS and all(0 < len(t) <= MAX_NAME for t in req.tensors),
+             f"tensors: at most {MAX_TENSORS} names or patterns of at most {MAX_NAME} characters"),
+            (not req.mode or req.mode in transfer_methods(), "mode: a transfer method installed here"),
+            (req.timeout_s == req.timeout_s and req.timeout_s >= 0, "timeout_s: seconds, 0 or more"),
+            (0 <= req.epoch, "epoch: 0 or more"),
+            (len(req.plan_digest) <= 128 and len(req.src_fingerprint) <= 128, "plan_digest / src_fingerprint: malformed"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                return f"invalid BeginUpdate: {why}"
+        return ""
+
     async def BeginUpdate(self, req: pb.BeginUpdateRequest, context):
         await self._peer(context)
-        if not req.update_id or not req.version.run or not (req.src_layout or req.src_fingerprint) or not req.session.id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "BeginUpdate needs update_id, version.run, src_layout (or src_fingerprint) and session")
+        if why := self._check_begin(req):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         async with self._lock:
             cur = self.update
             if cur is not None and cur.id == req.update_id:  # a retried call
@@ -335,6 +386,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         """Verify and commit on every rank, once: a retried call (or one that arrives while the
         first still runs) gets the same outcome, and a caller that goes away does not stop it."""
         await self._peer(context)
+        if not _ident_ok(req.update_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "FinishUpdateRequest.update_id: 1 to 64 letters, "
+                                "digits, '-', '_' or '.'")
         done = self.finished.get(req.update_id)
         u = self.update
         if done is None and (u is None or u.id != req.update_id):
@@ -421,6 +475,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     async def AbortUpdate(self, req: pb.AbortUpdateRequest, context):
         await self._peer(context)
+        if not _ident_ok(req.update_id) or len(req.version.run) > MAX_NAME:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "AbortUpdateRequest.update_id: 1 to 64 letters, digits, "
+                                f"'-', '_' or '.'; version.run: at most {MAX_NAME} characters")
+        req.reason = req.reason[:1024]  # told to every worker and recorded: bounded
         u = self.update
         if u is not None and u.id == req.update_id and u.phase in FINISHING:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -503,8 +561,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def Dump(self, req: pb.DumpRequest, context):
         """Stream one canonical tensor, read back from the workers a region (DUMP_REGION_BYTES) at a time:
         the controller holds one region, never the tensor, and the workers copy without pausing the engine."""
-        if not req.tensor:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "DumpRequest.tensor is required")
+        if not 0 < len(req.tensor) <= MAX_NAME:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"DumpRequest.tensor: 1 to {MAX_NAME} characters")
         if self._dumps >= MAX_CONCURRENT_DUMPS:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{MAX_CONCURRENT_DUMPS} dumps in progress; retry when one ends")
@@ -532,6 +590,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if spec is None:
             close = sorted(n for n in layout.tensors if req.tensor.split(".")[-2:] == n.split(".")[-2:])[:3]
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown tensor {req.tensor!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+        if req.HasField("rank") and not 0 <= req.rank < self.hub.world:  # item 21: not UNAVAILABLE, which says retry
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"DumpRequest.rank {req.rank}: this deployment's ranks are 0 to {self.hub.world - 1}")
         if req.HasField("rank") and not any(w.rank == req.rank for w in conns):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"inference worker rank {req.rank} is not attached")
         who = f"worker rank {req.rank}" if req.HasField("rank") else "any live worker"

@@ -182,6 +182,9 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 
     # -- RPCs ----------------------------------------------------------------------------
     async def TriggerUpdate(self, req: pb.TriggerUpdateRequest, context):
+        if len(req.tensors) > 4096 or any(not 0 < len(t) <= 256 for t in req.tensors):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TriggerUpdateRequest.tensors: at most 4096 names or "
+                                "patterns, each of 1 to 256 characters")
         if not self.auto_push:
             # The step itself is taken by the update loop right before the transfer, so
             # triggers that arrive during an update coalesce into one step to the newest.
@@ -199,8 +202,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         return pb.TriggerUpdateReply(version=self.published)
 
     async def WaitForVersion(self, req: pb.WaitForVersionRequest, context):
-        if not req.version.run:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WaitForVersionRequest.version.run is required")
+        if not 0 < len(req.version.run) <= 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WaitForVersionRequest.version.run: 1 to 256 characters")
         wait = clamp_timeout(req.timeout_s, self.deadlines.update_s * 2, 24 * 3600.0)  # nobody parks a call for years
         deadline = time.monotonic() + wait
         async with self.changed:
@@ -230,6 +233,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         return None
 
     async def AttachInference(self, req: pb.AttachRequest, context):
+        if len(req.address) > 300:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "AttachRequest.address: at most 300 characters")
         try:
             parse_address(req.address, "inference address")
         except ValueError as e:

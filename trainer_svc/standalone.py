@@ -59,11 +59,15 @@ class SyntheticTrainer(TrainerWorker):
     async def _on_step(self, s: wpb.Step, cid: int) -> dict:
         if s.version.step < self.step:
             raise ValueError(f"step {s.version.step} is behind this worker's step {self.step}")
+        if s.version.step - self.step > MAX_STEPS_AT_ONCE:  # each simulated step costs a pass over the weights
+            raise ValueError(f"step {s.version.step} is {s.version.step - self.step} steps ahead of this worker's step "
+                             f"{self.step}: a standalone synthetic worker takes at most {MAX_STEPS_AT_ONCE} at once "
+                             "(start the run afresh, or with another --run)")
         loop = asyncio.get_running_loop()
 
         def work() -> None:
             self._apply_fault()  # undo, so the optimizer steps the true weights
-            while self.step < s.version.step:
+            while self.step < s.version.step and not self._stopping:
                 self.step += 1
                 self._fill(init=False)
             self._apply_fault()
@@ -71,6 +75,9 @@ class SyntheticTrainer(TrainerWorker):
 
         await loop.run_in_executor(self._dp, work)
         return {}
+
+
+MAX_STEPS_AT_ONCE = 10_000
 
 
 def main(argv: list[str] | None = None) -> int:

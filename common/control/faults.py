@@ -81,7 +81,11 @@ class Fault:
 
 _SPEC = os.environ.get("RESHARD_FAULT_AT", "")
 _CONTROL = _SPEC[1:] if _SPEC.startswith("@") else ""
-_FIXED = Fault.parse(_SPEC) if _SPEC and not _CONTROL else None
+SPEC_ERROR = ""  # why RESHARD_FAULT_AT did not parse: the services refuse to start with it (cli.check_environment)
+try:
+    _FIXED = Fault.parse(_SPEC) if _SPEC and not _CONTROL else None
+except ValueError as _e:
+    _FIXED, SPEC_ERROR = None, str(_e)
 _MARKER = os.environ.get("RESHARD_FAULT_MARKER", "")
 _struck = False
 _bad_control = ""  # a control file's text that did not parse (logged once)

@@ -137,7 +137,10 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
     # -- the stream ------------------------------------------------------------------
     async def Attach(self, request_iterator, context):
-        first = await request_iterator.__anext__()
+        try:
+            first = await request_iterator.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a worker stream must begin with hello; it was empty")
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a worker stream must be hello")
         h = first.hello
@@ -439,6 +442,7 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     import secrets
 
     from reshard.common.control.rpc import start_server, stop_server
+    from reshard.common.control.security import set_client_roles
     from reshard.common.control.supervisor import RunDirError, Supervisor, recorded_worker_token, run_dir, run_file
 
     uses_run_dir = bool(command) or not worker_listen  # run files, or the default worker socket
@@ -448,6 +452,10 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
         except RunDirError as e:
             print(f"reshard {hub.role}: {e}", file=sys.stderr, flush=True)
             return 2
+
+    # A controller process accepts every role's token it holds, but calls as one role only: the
+    # trainer controller calls inference as a peer; the inference controller calls nobody.
+    set_client_roles(("peer",) if hub.role == "trainer" else ())
 
     def register(server):
         add_servicer(server)

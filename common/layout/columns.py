@@ -409,8 +409,9 @@ def decode(data: bytes) -> tuple[dict[str, TensorSpec], ColumnRanks, bool]:
         return tensors, ColumnRanks(sorted(tensors), names, classes, rank_class, undeclared), bool(h.get("allow_casts", False))
     except LayoutError:
         raise
-    except (ValueError, KeyError, TypeError, IndexError, zlib.error, UnicodeDecodeError) as e:
-        raise LayoutError(f"malformed layout: {e}") from e
+    except (ValueError, KeyError, TypeError, IndexError, zlib.error, UnicodeDecodeError, RecursionError,
+            OverflowError) as e:  # RecursionError: a header nested thousands deep
+        raise LayoutError(f"malformed layout: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _check_wire(cols: dict, nb: list[int], npc: list[int], w: int, ntensors: int, nundeclared: int, nnames: int,

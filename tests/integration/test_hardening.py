@@ -352,3 +352,58 @@ def test_an_update_asked_for_before_the_workers_attached_waits_for_them(tmp_path
         assert "not attached yet" in seen, seen
     finally:
         stop_processes(procs)
+
+
+def test_malformed_requests_are_refused_at_the_door_naming_the_field():
+    """The outside probe's malformed requests: each gets INVALID_ARGUMENT naming the field, from a
+    real controller, before anything reaches a worker (they got UNKNOWN with a traceback, or were
+    accepted and failed later on the workers); the deployment still serves afterwards."""
+    import grpc
+
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+    from reshard.proto import worker_pb2_grpc as wgrpc
+
+    from .cluster import Cluster
+
+    c = Cluster("tiny", inference_workers=2)
+    try:
+        good = dict(update_id="u1", version=pb.Version(run="r", step=1), src_layout=b"RSLx", plan_digest="d",
+                    timeout_s=10)
+        session = dict(id="s1", store_host="127.0.0.1", store_port=1234, src_world=2, dst_world=2, transport="gloo")
+        probes = [
+            ({"bucket_bytes": 3}, {}, "bucket_bytes"),
+            ({}, {"transport": "bogus"}, "session.transport"),
+            ({}, {"src_world": -3}, "session.src_world"),
+            ({}, {"dst_world": 10 ** 9}, "session.dst_world"),
+            ({}, {"store_port": 70000}, "session.store_port"),
+            ({"update_id": "x" * (1 << 20)}, {}, "update_id"),
+            ({"version": pb.Version(run="r" * (1 << 20), step=1)}, {}, "version.run"),
+            ({"version": pb.Version(run="r", step=-1)}, {}, "version.step"),
+            ({"tensors": ["p" * 100_000]}, {}, "tensors"),
+        ]
+        with grpc.insecure_channel(c.inf, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+            stub = rgrpc.InferenceServiceStub(ch)
+            for over, sess, field in probes:
+                req = pb.BeginUpdateRequest(**{**good, **over}, session=pb.Session(**{**session, **sess}))
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.BeginUpdate(req, timeout=30)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), \
+                    (field, e.value.code(), e.value.details()[:300])
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Dump(pb.DumpRequest(tensor="model.norm.weight", rank=-1), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        with grpc.insecure_channel(c.tr) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                rgrpc.TrainerServiceStub(ch).TriggerUpdate(pb.TriggerUpdateRequest(tensors=["*" * 100_000]), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tensors" in e.value.details()
+        # A worker stream with no hello at all (on the worker listener): a clear refusal, not UNKNOWN.
+        waddr = c.status()["worker_address"]
+        with grpc.insecure_channel(waddr) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(wgrpc.WorkerControlStub(ch).Attach(iter(()), timeout=30))
+            assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED), e.value
+        rc, out, err = c.update()
+        assert rc == 0, err + c.logs()
+    finally:
+        c.close()

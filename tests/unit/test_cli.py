@@ -96,3 +96,22 @@ def test_the_client_commands_do_not_import_torch():
     r = subprocess.run([*module_command("reshard.cli")[:-2], "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_a_service_refuses_bad_settings_at_start_naming_them():
+    """Issue 28, item 9: a bad --bucket-bytes (or RESHARD_* variable) failed every update later
+    (an internal error on the trainer, UNKNOWN on inference); now the service does not start, and
+    says which setting to change."""
+    import os
+    import subprocess
+    import sys
+
+    cases = [(["trainer", "--listen", "127.0.0.1:0", "--bucket-bytes", "100"], {}, "--bucket-bytes"),
+             (["trainer", "--listen", "127.0.0.1:0", "--bucket-bytes", str(1 << 40)], {}, "--bucket-bytes"),
+             (["inference", "--listen", "127.0.0.1:0"], {"RESHARD_ORPHAN_GRACE_S": "soon"}, "RESHARD_ORPHAN_GRACE_S"),
+             (["inference", "--listen", "127.0.0.1:0"], {"RESHARD_STAGING_LIMIT_BYTES": "-1"}, "RESHARD_STAGING_LIMIT_BYTES"),
+             (["inference", "--listen", "127.0.0.1:0"], {"RESHARD_LOG_LEVEL": "loud"}, "RESHARD_LOG_LEVEL")]
+    for args, env, name in cases:
+        r = subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr, (args, env, r.stderr)

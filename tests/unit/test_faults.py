@@ -67,8 +67,14 @@ def test_direct_instruction_strikes_its_rank_once_for_good_with_a_marker(tmp_pat
 
 
 def test_a_bad_direct_instruction_fails_at_start():
-    r = hook({"RESHARD_FAULT_AT": "trainer:VERIFY:explode"}, "")
-    assert r.returncode != 0 and "expected ROLE:PHASE:ACTION" in r.stderr
+    """A service refuses to start with it, naming the variable (the module itself loads: a CLI
+    that imports it must still be able to say what is wrong)."""
+    import os
+
+    env = dict(os.environ, RESHARD_FAULT_AT="trainer:VERIFY:explode")
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "trainer", "--listen", "127.0.0.1:0"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "RESHARD_FAULT_AT" in r.stderr and "expected ROLE:PHASE:ACTION" in r.stderr, r.stderr
 
 
 def test_a_controller_strikes_its_idle_worker(tmp_path):

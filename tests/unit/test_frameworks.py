@@ -282,3 +282,20 @@ def test_rank_layouts_that_disagree_on_a_tensor_are_refused():
              layout_from_bytes(rank_layout_bytes(bad, list(lay.ranks[1])))]
     with pytest.raises(LayoutError, match=f"tensor '{name}': rank 1 declares"):
         merge_ranks(parts, [0, 1])
+
+
+def test_a_layout_header_nested_thousands_deep_is_malformed_not_a_crash():
+    """Issue 28's probe: a RecursionError in the decoder came back as UNKNOWN with a traceback."""
+    import zlib
+
+    import pytest
+
+    from reshard.common.layout.columns import WIRE_MAGIC
+    from reshard.common.layout.core import LayoutError
+    from reshard.common.layout.wire import layout_from_bytes
+
+    header = b"[" * 100_000 + b"]" * 100_000
+    raw = len(header).to_bytes(8, "little") + header
+    data = WIRE_MAGIC + len(raw).to_bytes(8, "little") + zlib.compress(raw)
+    with pytest.raises(LayoutError, match="malformed layout"):
+        layout_from_bytes(data)

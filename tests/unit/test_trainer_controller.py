@@ -44,3 +44,25 @@ def test_an_unexpected_error_in_an_update_aborts_it_everywhere():
     assert not out.ok and "internal error" in out.error and "a bug nobody foresaw" in out.error, out.error
     assert any("abort" in c for c in sent), sent
     assert session is None and phase == "ABORT"
+
+
+def test_a_standalone_worker_refuses_a_step_far_ahead_instead_of_spinning():
+    """Item 20: a step of 10**12 (a run resumed against a deployment far ahead) made the standalone
+    workers simulate every step in between, for ever; it is refused at once, saying why."""
+    import time
+
+    import pytest
+    import torch
+
+    from reshard.common.models.frameworks import build
+    from reshard.proto import worker_pb2 as wpb
+    from reshard.trainer_svc.standalone import SyntheticTrainer
+
+    layout = build("tiny", "framework=megatron,tp=1")
+    bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in layout.ranks[0]}
+    w = SyntheticTrainer("127.0.0.1:1", 0, 1, layout.tensors, bufs, run="r")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="steps ahead"):
+        asyncio.run(w._on_step(wpb.Step(version=pb.Version(run="r", step=10 ** 12)), 1))
+    assert time.monotonic() - t0 < 5
+    w.stop()
