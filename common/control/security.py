@@ -49,6 +49,9 @@ METHOD_ROLES = {
     "/reshard.v1.InferenceService/Dump": "admin",
     "/reshard.worker.v1.WorkerControl/Attach": "worker",
 }
+# Roles that may also make a call besides METHOD_ROLES' (and an admin where an operator may): the
+# trainer controller reads inference's status with the one credential it holds, the peer's.
+ALSO_ROLES = {"/reshard.v1.InferenceService/GetStatus": ("peer",)}
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # liveness and the schema: no weights
 
 _MIB = 1 << 20
@@ -80,6 +83,18 @@ class SecurityError(ValueError):
 
 def satisfies(held: set[str], needed: str) -> bool:
     return needed in held or (needed == "operator" and "admin" in held)
+
+
+def callers(method: str) -> tuple[str, ...]:
+    """The roles that may make `method`'s call, in the order a client prefers to send them."""
+    needed = METHOD_ROLES.get(method)
+    if needed is None:
+        return ()
+    return (needed, *(("admin",) if needed == "operator" else ()), *ALSO_ROLES.get(method, ()))
+
+
+def may_call(held: set[str], method: str) -> bool:
+    return any(r in held for r in callers(method))
 
 
 def is_loopback(host: str) -> bool:
@@ -152,6 +167,7 @@ class Security:
     token_file: str = ""
     tokens: tuple[tuple[str, str], ...] = ()  # (role, token)
     allow_peers: tuple[str, ...] = ()  # with mutual TLS: the certificate names (CN or SAN) a peer call may come from
+    client_roles: tuple[str, ...] | None = None  # the roles whose tokens it sends as a client (None: any it holds)
 
     @classmethod
     def from_env(cls, **override) -> "Security":
@@ -204,12 +220,26 @@ class Security:
 
     def token(self, role: str) -> str:
         """The token this process sends for a call that needs `role`: one of that role (an admin's
-        for an operator's call), else any it holds, so that a refusal names the role it lacks."""
-        for want in (role, "admin") if role == "operator" else (role,):
+        for an operator's call) among its client roles, else a bare token (a client's file as
+        `reshard certs` writes it: its role is the server's to know); never one of another role
+        ('' when it holds none: the server then says which role the call needs)."""
+        return self._first((role, "admin") if role == "operator" else (role,))
+
+    def token_for(self, method: str) -> str:
+        """The token this process sends with a call of `method`: one of a role that may make it."""
+        return self._first(callers(method))
+
+    def _first(self, roles) -> str:
+        mine = self.client_roles if self.client_roles is not None else _client_roles
+        for want in roles:
+            if mine is not None and want not in mine:
+                continue
             for r, t in self.tokens:
                 if r == want:
                     return t
-        return self.tokens[0][1] if self.tokens else ""
+        if mine is None:
+            return next((t for r, t in self.tokens if r == ""), "")
+        return ""
 
     # -- servers ------------------------------------------------------------------------
     def check_listen(self, host: str, what: str, warn: bool = True) -> None:
@@ -253,6 +283,31 @@ class Security:
                                              private_key=_read(self.key, "key") if self.key else None,
                                              certificate_chain=_read(self.cert, "certificate") if self.cert else None)
         return grpc.aio.secure_channel(addr, creds, options=options, interceptors=interceptors)
+
+
+_client_roles: tuple[str, ...] | None = None  # this process's, as a client (set_client_roles)
+
+
+def set_client_roles(roles: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The roles whose tokens this process sends as a client, whatever else it holds (None: any).
+    A controller accepts every role's token but calls as one role only: the trainer controller as
+    a peer, the inference controller as none. Returns the previous setting."""
+    global _client_roles
+    old, _client_roles = _client_roles, (tuple(roles) if roles is not None else None)
+    return old
+
+
+TOKEN_ENV_PREFIX = "RESHARD_TOKEN"  # RESHARD_TOKEN_<ROLE>, RESHARD_TOKEN_FILE, RESHARD_TOKENS_DIR
+
+
+def worker_environ(environ, worker_token: str) -> dict[str, str]:
+    """The environment of a standalone worker: its controller's, less every credential variable
+    (each role's token, the token file and folder), plus RESHARD_TOKEN_WORKER, the one credential
+    a worker needs."""
+    env = {k: v for k, v in environ.items() if not k.startswith(TOKEN_ENV_PREFIX)}
+    if worker_token:
+        env["RESHARD_TOKEN_WORKER"] = worker_token
+    return env
 
 
 _ENV_KEYS = (*ENV_FILES.values(), "RESHARD_MTLS", "RESHARD_TOKEN_FILE", "RESHARD_TOKENS_DIR", "RESHARD_INSECURE",
@@ -314,7 +369,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         held = self.roles_of(token)
         if not held:
             return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not known here")
-        if not satisfies(held, needed):
+        if not may_call(held, method):
             return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
                            f"{method} needs the {needed} role; the token holds {', '.join(sorted(held))}")
         return handler
@@ -411,7 +466,7 @@ class _BearerToken:
 
     def _details(self, d):
         method = d.method.decode() if isinstance(d.method, bytes) else d.method
-        token = self.security.token(METHOD_ROLES.get(method, ""))
+        token = self.security.token_for(method)
         if not token:
             return d
         md = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), ("authorization", f"Bearer {token}"))

@@ -33,6 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from reshard.common.control.security import worker_environ
+
 log = logging.getLogger("reshard.supervisor")
 
 # `python -c` with the working directory taken off sys.path, for Pythons without `-P` (3.10).
@@ -347,7 +349,9 @@ class Supervisor:
                  poll: float = 0.1, run_file: str | None = None, adopt_s: float = 10.0,
                  env: dict[str, str] | None = None) -> None:
         self.role, self.world, self.command = role, world, command
-        self.env = dict(env or {})  # added to the workers' environment (their worker token: never on a command line)
+        # Added to the workers' environment, which holds no other credentials (their worker token:
+        # never on a command line).
+        self.env = dict(env or {})
         self.delay, self.max_delay, self.max_failures = delay, max_delay, max_failures
         self.healthy_after = healthy_after  # a worker that ran this long (or attached) had a clean start
         self.poll = poll
@@ -464,8 +468,10 @@ class Supervisor:
         # preexec_fn and without uid/gid changes starts the child with vfork (Python 3.10+ on
         # Linux; posix_spawn where close_fds is off), which runs no fork handlers. So no
         # GRPC_ENABLE_FORK_SUPPORT is needed: a controller never forks.
+        # Its controller's environment less every role's credentials: a worker gets only what `env`
+        # gives it (its worker token).
         r.proc = subprocess.Popen(r.argv, stdin=subprocess.DEVNULL, stderr=r.log.fd, close_fds=True,
-                                  env={**os.environ, **self.env, SUPERVISOR_PID: str(os.getpid())})
+                                  env={**worker_environ(os.environ, ""), **self.env, SUPERVISOR_PID: str(os.getpid())})
         r.started, r.state = time.monotonic(), "RUNNING"
         self.starts += 1
         proc = r.proc

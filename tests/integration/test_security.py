@@ -13,7 +13,7 @@ import grpc
 import pytest
 from google.protobuf.message_factory import GetMessageClass
 
-from reshard.common.control.security import METHOD_ROLES, satisfies
+from reshard.common.control.security import METHOD_ROLES, may_call
 from reshard.common.control.supervisor import module_command
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
@@ -120,10 +120,10 @@ def test_tls_and_tokens_end_to_end(secure, tmp_path):
                        env=clean, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr + tr_log.read_text()[-3000:] + inf_log.read_text()[-3000:]
     assert json.loads(r.stdout)["committed"]["run"] == "sec"
-    # An operator may not read weights back.
+    # An operator may not read weights back (its token is not even sent: the call needs an admin's).
     r = subprocess.run([*module_command("reshard.cli"), "dump", "--inference", inf, "--tensor", "lm_head.weight",
                         "--out", str(tmp_path / "x.pt"), *op], env=clean, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr and "admin" in r.stderr, r.stderr
+    assert r.returncode == 2 and "UNAUTHENTICATED" in r.stderr and "admin role" in r.stderr, r.stderr
 
     def call(stub_cls, method, req, token=None, streaming=False):
         return _call(inf if stub_cls is rgrpc.InferenceServiceStub else tr, pki, stub_cls, method, req, token, streaming)
@@ -152,7 +152,7 @@ def test_tls_and_tokens_end_to_end(secure, tmp_path):
                     if service[1:] in [x.full_name for x in d.services_by_name.values()])
         m = desc.methods_by_name[name]
         req_cls, rep_cls = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
-        wrong_roles = [r for r in TOKENS if not satisfies({r}, role)]
+        wrong_roles = [r for r in TOKENS if not may_call({r}, method)]
         for token, want in [(None, grpc.StatusCode.UNAUTHENTICATED), ("z" * 32, grpc.StatusCode.UNAUTHENTICATED)] + \
                 [(TOKENS[r], grpc.StatusCode.PERMISSION_DENIED) for r in wrong_roles]:
             md = [("authorization", f"Bearer {token}")] if token else None
@@ -525,6 +525,77 @@ def test_mutual_tls_refuses_other_cas_and_names_the_trainers_that_may_push(tmp_p
         assert call("trainer-a", "AbortUpdate", abort, TOKENS["peer"])[0] == grpc.StatusCode.OK
     finally:
         stop_processes([p])
+
+
+def _capture_server():
+    """A gRPC server that answers nothing (UNIMPLEMENTED) and records each call's method and
+    bearer token: any address a controller or a client may be pointed at (an attached one, say)."""
+    from concurrent import futures
+
+    seen = []
+
+    class Capture(grpc.GenericRpcHandler):
+        def service(self, details):
+            md = dict(details.invocation_metadata or ())
+            seen.append((details.method, md.get("authorization", "")))
+            return None
+
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[Capture()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}", seen
+
+
+def test_each_process_sends_and_passes_on_only_its_own_roles_token(pki, tmp_path):
+    """A trainer controller that holds every role's token (its --tokens-dir, as docker-compose runs
+    it, and a token file) calls inference with the peer token only, even for a call an operator's
+    token would do (GetStatus); its standalone workers' environment holds the worker token made for
+    them and no other credential; an operator's CLI never sends its token to a call that needs
+    another role. The inference address is a recorder of what is sent."""
+    d = tmp_path / "tokens"
+    d.mkdir()
+    for role, t in TOKENS.items():
+        (d / f"{role}.token").write_text(t + "\n")
+    server, capture, seen = _capture_server()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    tr = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / "trainer.log"
+    with open(log_path, "w") as log:
+        p = _start(["trainer", "--listen", tr, "--workers", "1", "--model", "tiny", "--inference", capture, "--run", "leak",
+                    "--tokens-dir", str(d)], dict(env, RESHARD_TOKEN_FILE=str(pki / "services.tokens"),
+                                                  RESHARD_TOKEN_ADMIN=TOKENS["admin"]), log)
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                with grpc.insecure_channel(tr) as ch:
+                    st = rgrpc.TrainerServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=5,
+                                                                metadata=[("authorization", f"Bearer {TOKENS['operator']}")])
+                if st.workers and st.workers[0].state == "READY" and any(m.endswith("/GetStatus") for m, _ in seen):
+                    break
+            except grpc.RpcError:
+                pass
+            assert p.poll() is None and time.monotonic() - t0 < 60, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--json", "--timeout", "5",
+                            "--token-file", str(d / "operator.token")], env=env, capture_output=True, text=True, timeout=60)
+        from_trainer = list(seen)
+        assert {m.rsplit("/", 1)[1] for m, _ in from_trainer} >= {"GetStatus", "GetLayout"}, (from_trainer, r.stderr)
+        assert {a for _, a in from_trainer} == {f"Bearer {TOKENS['peer']}"}, from_trainer
+        environ = open(f"/proc/{st.workers[0].pid}/environ", "rb").read().decode().split("\0")
+        creds = dict(v.split("=", 1) for v in environ if v.startswith("RESHARD_TOKEN"))
+        assert list(creds) == ["RESHARD_TOKEN_WORKER"] and creds["RESHARD_TOKEN_WORKER"] not in TOKENS.values(), creds
+        seen.clear()
+        only_operator = tmp_path / "op.tokens"
+        only_operator.write_text(f"operator {TOKENS['operator']}\n")
+        r = subprocess.run([*module_command("reshard.cli"), "dump", "--inference", capture, "--tensor", "lm_head.weight",
+                            "--out", str(tmp_path / "x.pt"), "--token-file", str(only_operator)],
+                           env=env, capture_output=True, text=True, timeout=60)
+        dumps = [a for m, a in seen if m == "/reshard.v1.InferenceService/Dump"]
+        assert r.returncode != 0 and dumps == [""], (seen, r.stderr)  # an operator's token never goes to an admin's call
+    finally:
+        stop_processes([p])
+        server.stop(0)
 
 
 @pytest.mark.slow  # about 15 s of CLI starts

@@ -1,15 +1,21 @@
 """Credentials and roles (common/control/security.py), without a network."""
 
+import dataclasses
+
 import pytest
 
 from reshard.common.control.security import (
     METHOD_ROLES,
+    ROLES,
     AuthInterceptor,
     Security,
     SecurityError,
     is_loopback,
+    may_call,
     read_tokens,
     satisfies,
+    set_client_roles,
+    worker_environ,
 )
 from reshard.common.layout.wire import layout_from_bytes
 from reshard.proto import reshard_pb2 as pb
@@ -41,12 +47,37 @@ def test_token_file(tmp_path):
         read_tokens(str(tmp_path / "missing"))
 
 
-def test_a_client_sends_the_token_of_the_role_a_call_needs():
+def test_a_client_sends_the_token_of_the_role_a_call_needs_and_no_other():
     s = Security(tokens=(("operator", "o" * 20), ("admin", "a" * 20)))
     assert s.token("operator") == "o" * 20 and s.token("admin") == "a" * 20
     assert Security(tokens=(("admin", "a" * 20),)).token("operator") == "a" * 20
-    assert s.token("peer") == "o" * 20  # refused there, with the role it lacks named
+    assert s.token("peer") == ""  # never another role's token: the server says which role the call needs
     assert Security().token("peer") == ""
+    op = Security(tokens=(("operator", "o" * 20),))
+    assert op.token_for("/reshard.v1.InferenceService/Dump") == ""  # an operator's token never goes to an admin call
+    assert op.token_for("/reshard.v1.InferenceService/GetStatus") == "o" * 20
+    assert Security(tokens=(("", "b" * 20),)).token_for("/reshard.v1.InferenceService/Dump") == "b" * 20  # a bare token
+    # A controller holds (accepts) every role's token but calls as one: the trainer as a peer.
+    every = Security(tokens=tuple((r, r[0] * 20) for r in ROLES))
+    trainer = dataclasses.replace(every, client_roles=("peer",))
+    assert trainer.token_for("/reshard.v1.InferenceService/GetStatus") == "p" * 20
+    assert trainer.token_for("/reshard.v1.InferenceService/BeginUpdate") == "p" * 20
+    assert trainer.token_for("/reshard.v1.InferenceService/Dump") == "" and trainer.token("operator") == ""
+    assert dataclasses.replace(every, client_roles=()).token_for("/reshard.v1.InferenceService/GetStatus") == ""
+    old = set_client_roles(("peer",))  # what serve_controller sets for a trainer controller's process
+    try:
+        assert every.token_for("/reshard.v1.InferenceService/GetStatus") == "p" * 20
+        assert every.token_for("/reshard.v1.TrainerService/GetStatus") == ""
+    finally:
+        set_client_roles(old)
+    assert may_call({"peer"}, "/reshard.v1.InferenceService/GetStatus")
+    assert not may_call({"peer"}, "/reshard.v1.TrainerService/GetStatus") and not may_call({"peer"}, "/reshard.v1.InferenceService/Dump")
+
+
+def test_a_worker_gets_only_the_worker_token_in_its_environment():
+    env = {"PATH": "/bin", "RESHARD_TLS_CA": "ca.pem", "RESHARD_TOKEN_ADMIN": "a" * 20, "RESHARD_TOKEN_PEER": "p" * 20,
+           "RESHARD_TOKEN_WORKER": "configured" * 2, "RESHARD_TOKEN_FILE": "/x/all.tokens", "RESHARD_TOKENS_DIR": "/x"}
+    assert worker_environ(env, "w" * 32) == {"PATH": "/bin", "RESHARD_TLS_CA": "ca.pem", "RESHARD_TOKEN_WORKER": "w" * 32}
 
 
 def test_server_matches_tokens_to_roles():
