@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
+import sys
 import time
 import uuid
 
@@ -63,6 +65,30 @@ class _Update:
         self.plan: Plan | None = None
 
 
+def _read_epoch(path: str) -> int:
+    if not path:
+        return 0
+    try:
+        with open(path) as f:
+            return max(0, int(f.read().strip() or 0))
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"the epoch file {path} cannot be read ({e}): remove it to start fencing afresh") from None
+
+
+def _write_epoch(path: str, epoch: int) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{epoch}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 MAX_NAME = 256  # run names, tensor names and patterns
 MAX_STEP = 1 << 53  # steps: exact in every JSON reader
 MAX_WORLD = 1 << 20
@@ -94,7 +120,7 @@ class _Failed(Exception):
 
 
 class InferenceController(rgrpc.InferenceServiceServicer):
-    def __init__(self, hub: WorkerHub, model: str, deadlines: Deadlines) -> None:
+    def __init__(self, hub: WorkerHub, model: str, deadlines: Deadlines, epoch_file: str = "") -> None:
         self.hub, self.model, self.deadlines = hub, model, deadlines
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
@@ -111,7 +137,8 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.instance = uuid.uuid4().hex[:8]  # a restarted controller is a new membership
         self.finished: collections.OrderedDict[str, tuple[pb.FinishUpdateReply | None, str]] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
-        self.epoch = 0  # the newest trainer controller epoch seen: older ones are fenced out
+        self.epoch_file = epoch_file  # where the newest epoch granted is kept across restarts ('' : memory only)
+        self.epoch = _read_epoch(epoch_file)  # the newest epoch granted to a trainer controller: only it may push
         self._dumps = 0  # dumps streaming now: at most MAX_CONCURRENT_DUMPS
         self._dump_buffers: list = []  # (region bytes, coverage) buffers, one per dump streaming at once
 
@@ -235,9 +262,27 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             _, fp, data = await self.hub.layout()
         except (WorkerError, LayoutError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.LayoutReply(model=self.model, layout=b"" if request.known_fingerprint == fp else data, fingerprint=fp,
-                              workers=self.hub.world, devices=[w.device for w in self.hub.alive()], membership=self.membership(),
-                              device_uuids=[w.hello.device_uuid for w in self.hub.alive()])
+        reply = pb.LayoutReply(model=self.model, layout=b"" if request.known_fingerprint == fp else data, fingerprint=fp,
+                               workers=self.hub.world, devices=[w.device for w in self.hub.alive()], membership=self.membership(),
+                               device_uuids=[w.hello.device_uuid for w in self.hub.alive()])
+        if request.acquire_epoch:
+            reply.epoch = await self._grant_epoch(context)
+        return reply
+
+    async def _grant_epoch(self, context) -> int:
+        """A new epoch for the trainer controller asking: one more than any granted before, written
+        down before it is given (a restarted controller never grants it again, and never takes back
+        the fence). Clocks play no part; callers cannot name their own."""
+        async with self._lock:  # not while an update of the previous holder is between its calls
+            epoch = self.epoch + 1
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, _write_epoch, self.epoch_file, epoch)
+            except OSError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot record a new epoch in {self.epoch_file}: {e}")
+            if self.epoch:
+                log.warning("granted epoch %d to a trainer controller: the holder of epoch %d is fenced out", epoch, self.epoch)
+            self.epoch = epoch
+            return epoch
 
     def membership(self) -> str:
         """Who the data plane would connect to: this controller's life and its workers' processes."""
@@ -294,10 +339,14 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 # before any state changes: the trainer resends under the same update id
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"source layout {req.src_fingerprint or '(no fingerprint)'} is not held here: send it")
-            if req.epoch < self.epoch:
+            if req.epoch != self.epoch or not self.epoch:
+                if 0 < req.epoch < self.epoch:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"fenced: trainer controller epoch {req.epoch} is older than epoch {self.epoch}, which "
+                                        "has taken over this deployment (a restarted or second trainer controller)")
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"fenced: trainer controller epoch {req.epoch} is older than epoch {self.epoch}, which "
-                                    "has taken over this deployment (a restarted or second trainer controller)")
+                                    f"epoch {req.epoch} was not granted here (the newest granted is {self.epoch or 'none'}): "
+                                    "acquire one (GetLayout acquire_epoch); not granted: epoch")
             if cur is not None and cur.phase in FINISHING:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"update {cur.id} ({_v(cur.version)}) is in {cur.phase} on every rank; "
@@ -341,10 +390,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.all_names = tuple(dst.tensors)
                 if plan.digest != req.plan_digest:
                     raise LayoutError(f"plan digest mismatch: trainer {req.plan_digest}, inference {plan.digest}")
-                if req.epoch > self.epoch:  # taken once the request holds up: a malformed one fences nobody out
-                    if self.epoch:
-                        log.warning("trainer controller epoch %d takes over from epoch %d", req.epoch, self.epoch)
-                    self.epoch = req.epoch
                 u.plan = plan
                 u.bytes_total = plan.total_bytes
                 self._advance(u, "CONNECT")
@@ -807,8 +852,18 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
                 deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu",
                 worker_listen: str = "") -> int:
     deadlines = deadlines or Deadlines()
+    from reshard.common.control.hub import local_host
+    from reshard.common.control.supervisor import RunDirError, run_file
+
     hub = WorkerHub(workers, "inference")
-    ctl = InferenceController(hub, model, deadlines)
+    epoch_file = ""
+    if not listen.endswith(":0"):  # an ephemeral port names no deployment that outlives the process
+        try:
+            epoch_file = run_file("inference", f"{local_host(listen)}:{listen.rpartition(':')[2]}")[:-len(".json")] + ".epoch"
+        except RunDirError as e:
+            print(f"reshard inference: {e}", file=sys.stderr, flush=True)
+            return 2
+    ctl = InferenceController(hub, model, deadlines, epoch_file=epoch_file)
     ctl.inplace = mode == "inplace"
 
     def command(addr: str, rank: int) -> list[str]:

@@ -224,13 +224,15 @@ class UpdateOutcome(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., committed: _Optional[_Union[Version, _Mapping]] = ..., superseded: _Optional[bool] = ..., error: _Optional[str] = ..., record: _Optional[_Union[UpdateRecord, _Mapping]] = ..., deployments: _Optional[_Iterable[_Union[DeploymentStatus, _Mapping]]] = ...) -> None: ...
 
 class GetLayoutRequest(_message.Message):
-    __slots__ = ("known_fingerprint",)
+    __slots__ = ("known_fingerprint", "acquire_epoch")
     KNOWN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     known_fingerprint: str
-    def __init__(self, known_fingerprint: _Optional[str] = ...) -> None: ...
+    acquire_epoch: bool
+    def __init__(self, known_fingerprint: _Optional[str] = ..., acquire_epoch: _Optional[bool] = ...) -> None: ...
 
 class LayoutReply(_message.Message):
-    __slots__ = ("model", "layout", "fingerprint", "workers", "devices", "membership", "device_uuids")
+    __slots__ = ("model", "layout", "fingerprint", "workers", "devices", "membership", "device_uuids", "epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +240,7 @@ class LayoutReply(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout: bytes
     fingerprint: str
@@ -245,7 +248,8 @@ class LayoutReply(_message.Message):
     devices: _containers.RepeatedScalarFieldContainer[str]
     membership: str
     device_uuids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., workers: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., membership: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("id", "store_host", "store_port", "src_world", "dst_world", "transport", "nccl_unique_id", "key", "device_uuids")

@@ -66,6 +66,9 @@ class Deployment:
         self.last_error = ""
         self.phase = "IDLE"
         self.repair = False  # a rank there lost the committed version: push it again even though committed
+        # The epoch this controller was granted there (0: none yet, asked for with the next layout): a newer
+        # controller (a restart, a second one) is granted a newer one, and this one is fenced out.
+        self.epoch = 0
 
     def status(self) -> pb.DeploymentStatus:
         st = pb.DeploymentStatus(address=self.address, last_error=self.last_error, phase=self.phase, backend=self.backend)
@@ -82,8 +85,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         if method not in transfer_methods():
             raise ValueError(f"unknown transfer method {method!r}; installed: {', '.join(transfer_methods())}")
         self.method = method  # how every update moves: the parallel reshard, or a measurement tool's method
-        # A lease on the deployments: a newer controller (a restart, a second one) fences this one out.
-        self.epoch = time.time_ns()
         self.allow_rollback = allow_rollback  # the operator's choice: another run, or older steps
         self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
         self.deadlines, self.bucket_bytes = deadlines, bucket_bytes
@@ -473,7 +474,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
     async def _dest_layout(self, d: Deployment, deadline: float) -> tuple[str, Layout, bytes]:
         """The deployment's layout; only its fingerprint travels while it is unchanged."""
         known = d.dst[0] if d.dst else ""
-        req = pb.GetLayoutRequest(known_fingerprint=known)
+        req = pb.GetLayoutRequest(known_fingerprint=known, acquire_epoch=not d.epoch)
         while True:
             try:
                 # The update's first call to inference: an inference controller that came up (or back) while
@@ -495,6 +496,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.hub.meter.add("LayoutReply", lr)
         if lr.model and self.model and lr.model != self.model:
             log.warning("trainer model %s vs inference model %s: layouts decide compatibility", self.model, lr.model)
+        if req.acquire_epoch:
+            if not lr.epoch:
+                raise UpdateFailed(f"inference at {d.address} granted no epoch (an older reshard version?)")
+            d.epoch = lr.epoch
+            log.info("inference at %s granted this controller epoch %d", d.address, d.epoch)
         self._devices, self._gpus, self._membership = list(lr.devices), list(lr.device_uuids), lr.membership
         if d.dst is None or lr.fingerprint != known or lr.layout:
             if not lr.layout:
@@ -524,6 +530,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                     # Not a refusal: unreachable, gone while the call was in flight, or not ready.
                     raise UpdateFailed(f"BeginUpdate at inference controller {d.address} failed "
                                        f"({e.code().name}: {e.details()})") from None
+                if "not granted: epoch" in (e.details() or ""):
+                    d.epoch = 0  # it lost the epochs it granted (its state): the next update asks for a new one
                 raise UpdateFailed(f"inference refused the update ({e.code().name}): {e.details()}") from None
             self.hub.meter.add("BeginUpdateReply", rep)
             d.src_known = req.src_fingerprint
@@ -616,7 +624,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             left = deadline - time.monotonic()
             begin = pb.BeginUpdateRequest(
                 update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=left, mode=mode,
-                bucket_bytes=self.bucket_bytes, tensors=names, epoch=self.epoch, allow_rollback=self.allow_rollback,
+                bucket_bytes=self.bucket_bytes, tensors=names, epoch=d.epoch, allow_rollback=self.allow_rollback,
                 src_fingerprint=src_fp)
             await self._begin_update(d, begin, src_bytes, deadline)
             began = True

@@ -407,3 +407,66 @@ def test_malformed_requests_are_refused_at_the_door_naming_the_field():
         assert rc == 0, err + c.logs()
     finally:
         c.close()
+
+
+def test_fencing_survives_an_inference_restart_and_cannot_be_taken_by_naming_an_epoch():
+    """Item 15: epochs are granted by inference (one more than any before, kept in its run folder),
+    not taken from a caller's clock or request: a trainer controller fenced out by a newer one stays
+    fenced out across an inference controller restart, and a BeginUpdate naming epoch 2**62 is
+    refused without fencing anyone."""
+    import grpc
+
+    from reshard.proto import reshard_pb2 as pb
+
+    inf = f"127.0.0.1:{free_port()}"
+    inf_cmd = [sys.executable, "-m", "reshard.cli", "inference", "--listen", inf, "--workers", "2", "--model", "tiny"]
+
+    def trainer(port: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "reshard.cli", "trainer", "--listen", port, "--workers", "2",
+                                 "--model", "tiny", "--inference", inf, "--run", "fence"], stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def serving(flag: str, addr: str) -> None:
+        t0 = time.monotonic()
+        while True:
+            r = cli("status", flag, addr, "--json", timeout=30)
+            if r.returncode == 0 and json.loads(r.stdout)["serving_state"] == "SERVING":
+                return
+            assert time.monotonic() - t0 < 90, f"{addr} never served: {r.stderr}"
+            time.sleep(0.2)
+
+    def update(tr: str) -> tuple[int, str]:
+        serving("--inference", inf)
+        serving("--trainer", tr)
+        r = cli("update", "--trainer", tr, "--wait", "--json", timeout=120)
+        return r.returncode, r.stdout + r.stderr
+
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(inf_cmd, stderr=subprocess.DEVNULL, start_new_session=True), trainer(a)]
+    try:
+        rc, out = update(a)
+        assert rc == 0, out
+        procs.append(trainer(b))  # a second trainer controller (a restart elsewhere) takes over
+        rc, out = update(b)
+        assert rc == 0, out
+        rc, out = update(a)
+        assert rc != 0 and "fenced" in out, out
+        # The inference controller restarts (its workers with it): the fence holds.
+        stop_processes(procs[:1])
+        procs[0] = subprocess.Popen(inf_cmd, stderr=subprocess.DEVNULL, start_new_session=True)
+        rc, out = update(a)
+        assert rc != 0 and "fenced" in out, out
+        # Naming an epoch is no way in: refused, and the holder keeps pushing.
+        with grpc.insecure_channel(inf) as ch:
+            from reshard.proto import reshard_pb2_grpc as rgrpc
+
+            with pytest.raises(grpc.RpcError) as e:
+                rgrpc.InferenceServiceStub(ch).BeginUpdate(pb.BeginUpdateRequest(
+                    update_id="x", version=pb.Version(run="fence", step=10 ** 6), src_layout=b"RSL", plan_digest="0",
+                    epoch=1 << 62, session=pb.Session(id="s", transport="gloo", store_host="127.0.0.1", store_port=1,
+                                                      src_world=2, dst_world=2)), timeout=30)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not granted" in e.value.details()
+        rc, out = update(b)
+        assert rc == 0, out
+    finally:
+        stop_processes(procs)

@@ -311,9 +311,13 @@ def test_oversized_and_malformed_requests_and_layout_bombs_are_refused(secure):
     z = zlib.compressobj(1)
     stream = b"".join(z.compress(bytes(64 << 20)) for _ in range(5)) + z.flush()
     served = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1]
+    # An epoch granted to this caller (the fixture's trainer is fenced out from here: no later test pushes with it).
+    lay = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "GetLayout", pb.GetLayoutRequest(acquire_epoch=True),
+                TOKENS["peer"])[1]
     bomb = pb.BeginUpdateRequest(update_id="bomb", version=pb.Version(run="sec", step=served.version.step + 1000),
                                  src_layout=WIRE_MAGIC + (320 << 20).to_bytes(8, "little") + stream, plan_digest="0",
-                                 session=pb.Session(id="s", key="k" * 32), epoch=time.time_ns())
+                                 session=pb.Session(id="s", key="k" * 32, transport="gloo", store_host="127.0.0.1",
+                                                    store_port=1, src_world=2, dst_world=lay.workers), epoch=lay.epoch)
     code, details = _call(secure.inf, secure.pki, rgrpc.InferenceServiceStub, "BeginUpdate", bomb, TOKENS["peer"])
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "over the limit" in details, (code, details)
     rss1 = _peak_rss_mib(inf_pid)
@@ -716,10 +720,10 @@ def test_a_callers_huge_timeout_is_clamped_by_the_server(secure):
 
     I = rgrpc.InferenceServiceStub
     store = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    lay = _call(secure.inf, secure.pki, I, "GetLayout", pb.GetLayoutRequest(), TOKENS["peer"])[1]
+    lay = _call(secure.inf, secure.pki, I, "GetLayout", pb.GetLayoutRequest(acquire_epoch=True), TOKENS["peer"])[1]
     served = _call(secure.inf, secure.pki, I, "GetStatus", pb.StatusRequest(), TOKENS["operator"])[1].version
     req = pb.BeginUpdateRequest(update_id="clamp-0", version=pb.Version(run=served.run, step=served.step + 1000),
-                                src_layout=lay.layout, plan_digest="?", timeout_s=1e9, epoch=time.time_ns(),
+                                src_layout=lay.layout, plan_digest="?", timeout_s=1e9, epoch=lay.epoch,
                                 session=pb.Session(id="clamp", store_host="127.0.0.1", store_port=store.port, src_world=lay.workers,
                                                    dst_world=lay.workers, transport="gloo", key="k" * 32))
     code, details = _call(secure.inf, secure.pki, I, "BeginUpdate", req, TOKENS["peer"])

@@ -127,10 +127,13 @@ def test_bad_requests_get_clear_status_codes(cluster):
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             served = (await stub.GetStatus(pb.StatusRequest(), timeout=5)).version
             # A version that goes backwards within the run is refused before anything moves.
-            lay = await stub.GetLayout(pb.GetLayoutRequest(), timeout=5)
-            # (A newest epoch, so that the fence does not answer first; a refused request takes over nothing.)
+            # (An epoch granted to this caller, so that the fence does not answer first: the module's trainer
+            # is fenced out from here; no later test here pushes with it.)
+            lay = await stub.GetLayout(pb.GetLayoutRequest(acquire_epoch=True), timeout=5)
             req = pb.BeginUpdateRequest(update_id="x", version=pb.Version(run=served.run, step=served.step),
-                                        src_layout=lay.layout, plan_digest="0", session=pb.Session(id="s"), epoch=1 << 62)
+                                        src_layout=lay.layout, plan_digest="0", epoch=lay.epoch,
+                                        session=pb.Session(id="s", transport="gloo", store_host="127.0.0.1", store_port=1,
+                                                           src_world=2, dst_world=lay.workers))
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.BeginUpdate(req, timeout=5)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "does not advance" in e.value.details()

@@ -184,9 +184,14 @@ def test_commit_is_owned_by_finish_update_and_a_retry_gets_its_outcome():
                                 "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         st = c.wait_for(lambda s: s.get("progress", {}).get("phase") == "COMMIT", what="inference committing")
         uid = st["progress"]["update_id"]
+        # Even a peer granted the newest epoch meanwhile (which fences the trainer out for its next update)
+        # cannot begin an update over one that commits.
+        lay = rpc(c.inf, "GetLayout", pb.GetLayoutRequest(acquire_epoch=True))
         with pytest.raises(grpc.RpcError) as e:
-            rpc(c.inf, "BeginUpdate", pb.BeginUpdateRequest(update_id="intruder", version=pb.Version(run="other", step=9),
-                                                            src_layout=b"\0", session=pb.Session(id="s"), epoch=1 << 62))
+            rpc(c.inf, "BeginUpdate", pb.BeginUpdateRequest(
+                update_id="intruder", version=pb.Version(run="other", step=9), src_layout=b"\0", epoch=lay.epoch,
+                session=pb.Session(id="s", transport="gloo", store_host="127.0.0.1", store_port=1, src_world=2,
+                                   dst_world=lay.workers)))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "COMMIT" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             rpc(c.inf, "AbortUpdate", pb.AbortUpdateRequest(update_id=uid, reason="too late"))

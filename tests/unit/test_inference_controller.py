@@ -75,8 +75,10 @@ def test_an_abort_while_begin_update_prepares_is_not_erased():
     ctl = InferenceController(hub, "tiny", Deadlines())
     plan = make_plan(src, dst, plan_options(0, "gloo"))
     req = pb.BeginUpdateRequest(update_id="u1", version=pb.Version(run="r", step=1), plan_digest=plan.digest,
-                                session=pb.Session(id="s1", transport="gloo", src_world=2, dst_world=2),
-                                src_layout=layout_bytes(src), src_fingerprint=layout_fingerprint(src), timeout_s=30)
+                                session=pb.Session(id="s1", transport="gloo", src_world=2, dst_world=2,
+                                                   store_host="127.0.0.1", store_port=1234),
+                                src_layout=layout_bytes(src), src_fingerprint=layout_fingerprint(src), timeout_s=30, epoch=3)
+    ctl.epoch = 3  # granted to this trainer
 
     async def stale_abort():
         await ctl._abort(ctl.update, "inference worker rank 1 (pid 42) stopped answering during the update")
