@@ -110,9 +110,10 @@ async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[s
     if host != "unix":
         sec.check_listen(host, f"{what} {listen}")
     # Authentication first (a refused call's request is never read), then each method's size limit.
+    # With mutual TLS, a caller's roles are also those its client certificate carries.
     options = [*(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
                ("grpc.max_receive_message_length", receive_limit(services))]
-    server = grpc.aio.server(options=options, interceptors=[*sec.interceptors(), LimitInterceptor()])
+    server = grpc.aio.server(options=options, interceptors=[*sec.interceptors(tls_port=host != "unix"), LimitInterceptor()])
     names = register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -15,9 +15,11 @@ command line. A server that holds tokens checks every call's `authorization: Bea
 against them in constant time; a client sends, for each call, the token of the role that call
 needs. TLS (`--tls-cert`, `--tls-key`, `--tls-ca`, or RESHARD_TLS_CERT / _KEY / _CA) uses grpc's
 own credentials; `--mtls` (RESHARD_MTLS=1) makes a server require client certificates signed by
-its CA. Plaintext is for loopback: a server asked to listen elsewhere without TLS, or with TLS
-but neither tokens nor client certificates, refuses to start unless `--insecure` is given (and
-then says so at every start)."""
+its CA. With mutual TLS a client certificate carries roles too: each URI SAN `reshard-role:ROLE`
+(`reshard certs` writes one certificate per role), and a caller holds its token's roles and its
+certificate's; a certificate without one holds none. Plaintext is for loopback: a server asked to
+listen elsewhere without TLS, or with TLS but neither tokens nor client certificates, refuses to
+start unless `--insecure` is given (and then says so at every start)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ METHOD_ROLES = {
 # trainer controller reads inference's status with the one credential it holds, the peer's.
 ALSO_ROLES = {"/reshard.v1.InferenceService/GetStatus": ("peer",)}
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # liveness and the schema: no weights
+ROLE_URI = "reshard-role:"  # a client certificate's role: a URI SAN reshard-role:ROLE
 
 _MIB = 1 << 20
 # The largest request each method takes, in serialized bytes. A bigger one is refused with
@@ -95,6 +98,14 @@ def callers(method: str) -> tuple[str, ...]:
 
 def may_call(held: set[str], method: str) -> bool:
     return any(r in held for r in callers(method))
+
+
+def certificate_roles(auth_context: dict) -> set[str]:
+    """The roles a client certificate carries (gRPC's auth context of a call): its URI SANs
+    `reshard-role:ROLE`. gRPC lists a certificate's URIs (`peer_uri`) apart from its DNS names and
+    e-mail addresses, so no other kind of name, nor its common name, can pose as a role."""
+    uris = (v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in auth_context.get("peer_uri", ()))
+    return {u[len(ROLE_URI):] for u in uris if u.startswith(ROLE_URI) and u[len(ROLE_URI):] in ROLES}
 
 
 def is_loopback(host: str) -> bool:
@@ -269,9 +280,12 @@ class Security:
                                             require_client_auth=self.mtls)
         return server.add_secure_port(listen, creds)
 
-    def interceptors(self) -> list:
-        """The server interceptor that checks tokens (none when this server holds no tokens)."""
-        return [AuthInterceptor(self.tokens)] if self.tokens else []
+    def interceptors(self, tls_port: bool = True) -> list:
+        """The server interceptor that checks each call's roles: those of its token, and with mutual
+        TLS on a TLS port (`tls_port`; a worker listener's Unix socket is not one) those of its
+        client certificate. None when this server holds neither tokens nor client certificates."""
+        certificates = self.mtls and bool(self.cert) and tls_port
+        return [AuthInterceptor(self.tokens, certificates)] if self.tokens or certificates else []
 
     # -- clients ------------------------------------------------------------------------
     def channel(self, addr: str, options) -> grpc.aio.Channel:
@@ -338,11 +352,15 @@ def _bearer(metadata) -> str:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks each call's bearer token against the role its method needs; a call without one
-    gets UNAUTHENTICATED, one whose token lacks the role PERMISSION_DENIED, and runs nothing."""
+    """Checks each call against the role its method needs (METHOD_ROLES). A caller holds the roles of
+    its bearer token and, with `certificates` (mutual TLS), those its client certificate carries
+    (`certificate_roles`). A call refused runs nothing and its request is never read: without a
+    credential, or with a token the server does not know, UNAUTHENTICATED; with credentials that
+    lack the role (a client certificate authenticates its caller), PERMISSION_DENIED."""
 
-    def __init__(self, tokens: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, tokens: tuple[tuple[str, str], ...], certificates: bool = False) -> None:
         self._tokens = [(role, t.encode()) for role, t in tokens]
+        self.certificates = certificates
 
     def roles_of(self, token: str) -> set[str]:
         got = token.encode()
@@ -356,23 +374,40 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         if method.startswith(OPEN_PREFIXES):
             return await continuation(details)
-        needed = METHOD_ROLES.get(method)
         handler = await continuation(details)
         if handler is None:
             return None
-        if needed is None:
+        if method not in METHOD_ROLES:
             return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} is not open to any role")
         token = _bearer(details.invocation_metadata)
-        if not token:
-            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED,
-                           f"{method} needs a bearer token of the {needed} role (authorization metadata)")
-        held = self.roles_of(token)
-        if not held:
-            return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not known here")
-        if not may_call(held, method):
-            return _refuse(handler, grpc.StatusCode.PERMISSION_DENIED,
-                           f"{method} needs the {needed} role; the token holds {', '.join(sorted(held))}")
-        return handler
+        by_token = self.roles_of(token) if token else set()
+        if may_call(by_token, method):
+            return handler
+        if not self.certificates:
+            return _refuse(handler, *self.refusal(method, token, by_token))
+        # The client certificate is in the call's auth context, which only a handler sees.
+        return _admitted(handler, lambda context: self.refusal(
+            method, token, by_token, certificate_roles(context.auth_context())))
+
+    def refusal(self, method: str, token: str, by_token: set[str], by_certificate: set[str] | None = None):
+        """(status, message) refusing `method` to a caller with these credentials, or None when
+        they may make it. `by_certificate` None: the server takes no roles from certificates."""
+        if may_call(by_token | (by_certificate or set()), method):
+            return None
+        needed = METHOD_ROLES[method]
+        if token and not by_token:
+            return grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not known here"
+        if by_certificate is None:
+            if not token:
+                return (grpc.StatusCode.UNAUTHENTICATED,
+                        f"{method} needs a bearer token of the {needed} role (authorization metadata)")
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} needs the {needed} role; the token holds {', '.join(sorted(by_token))}")
+        sent = f"its token holds {', '.join(sorted(by_token))}" if token else "no token was sent"
+        return (grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} needs the {needed} role (a client certificate with the URI SAN {ROLE_URI}{needed}, or a "
+                f"bearer token of the role); the caller's certificate holds {', '.join(sorted(by_certificate)) or 'no role'} "
+                f"and {sent}")
 
 
 class _Refused:
@@ -448,6 +483,39 @@ def _refuse(handler, code: grpc.StatusCode, message: str):
 
     return grpc.stream_stream_rpc_method_handler(refuse, request_deserializer=None,
                                                  response_serializer=handler.response_serializer)
+
+
+def _admitted(handler, refusal):
+    """`handler`, run only once `refusal(context)` (a (status, message) or None) lets its call in;
+    a refused call is aborted before its request is read. gRPC reads a single request whole before
+    it calls a handler that takes one, so the returned handler takes a stream of requests (the
+    wire is the same), checks, and only then reads: the one request of a unary method, or passes
+    the stream on."""
+    rs, ss = handler.request_streaming, handler.response_streaming
+    behavior = {(True, True): handler.stream_stream, (True, False): handler.stream_unary,
+                (False, True): handler.unary_stream, (False, False): handler.unary_unary}[rs, ss]
+
+    async def admit(requests, context):
+        refused = refusal(context)
+        if refused:
+            await context.abort(*refused)
+        if rs:
+            return requests
+        async for request in requests:
+            return request
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a unary call without its request")
+
+    if ss and inspect.isasyncgenfunction(behavior):
+        async def gen(requests, context):
+            async for r in behavior(await admit(requests, context), context):
+                yield r
+        wrapped = gen
+    else:
+        async def call(requests, context):
+            return await behavior(await admit(requests, context), context)
+        wrapped = call
+    make = grpc.stream_stream_rpc_method_handler if ss else grpc.stream_unary_rpc_method_handler
+    return make(wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
 def _handler_like(handler, behavior, request_deserializer):

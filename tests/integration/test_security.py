@@ -531,6 +531,142 @@ def test_mutual_tls_refuses_other_cas_and_names_the_trainers_that_may_push(tmp_p
         stop_processes([p])
 
 
+def _issue(ca, cn: str, *roles: str) -> tuple[bytes, bytes]:
+    """(key, certificate) PEMs from trustme's `ca` for `cn`, valid for 127.0.0.1 and localhost as a
+    server and a client, carrying each of `roles` as `reshard certs` does (a URI SAN
+    reshard-role:ROLE; trustme writes no URIs)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), None)
+    issuer = x509.load_pem_x509_certificate(ca.cert_pem.bytes()).subject
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    sans = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"),
+            *(x509.UniformResourceIdentifier(f"reshard-role:{r}") for r in roles)]
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    return (key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), cert.public_bytes(pem))
+
+
+@pytest.mark.slow  # two controllers' starts and an update: about 11 s
+def test_with_mutual_tls_and_no_tokens_each_certificate_holds_only_its_role(tmp_path):
+    """Both services with --mtls and no tokens, on the files `reshard certs` writes, the trainer's
+    worker listener on TCP: an operator's update commits end to end (the trainer pushes with
+    server.pem, the peer's); each certificate may make its role's calls only: every other RPC of
+    every service and the worker listener is PERMISSION_DENIED without its request being read
+    (a 60 MiB one leaves the controller's memory as it was), and nothing changes. Before, any
+    certificate the CA signed could dump weights, attach a deployment and push weights."""
+    d = tmp_path / "certs"
+    r = subprocess.run([*module_command("reshard.cli"), "certs", "--out", str(d)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
+    tls = ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server-key.pem"), "--tls-ca", str(d / "ca.pem"), "--mtls"]
+    inf, tr, wl = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    log_path = tmp_path / "services.log"
+    root = (d / "ca.pem").read_bytes()
+    certs = {who: grpc.ssl_channel_credentials(root, (d / f"{f}-key.pem").read_bytes(), (d / f"{f}.pem").read_bytes())
+             for who, f in (("operator", "operator"), ("admin", "admin"), ("peer", "server"), ("worker", "worker"))}
+
+    def call(who, method, req, raw=False):
+        """`method` with `who`'s certificate and no token: (status, reply or replies, or details)."""
+        service, name = method.rsplit("/", 1)
+        addr = inf if "Inference" in service else tr if "Trainer" in service else wl
+        m = next(x.services_by_name[service.split(".")[-1]] for x in (pb.DESCRIPTOR, wpb.DESCRIPTOR)
+                 if service[1:] in [s.full_name for s in x.services_by_name.values()]).methods_by_name[name]
+        with grpc.secure_channel(addr, certs[who], options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
+            kind = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
+                    (True, True): ch.stream_stream}[m.client_streaming, m.server_streaming]
+            fn = kind(method) if raw else kind(method, request_serializer=type(req).SerializeToString,
+                                                  response_deserializer=GetMessageClass(m.output_type).FromString)
+            try:
+                out = fn(iter([req]) if m.client_streaming else req, timeout=10)
+                if m.server_streaming:
+                    out = list(out)
+                return grpc.StatusCode.OK, out
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+
+    procs = []
+    try:
+        with open(log_path, "w") as log:
+            procs.append(_start(["inference", "--listen", inf, "--workers", "1", "--model", "tiny", *tls], env, log))
+            procs.append(_start(["trainer", "--listen", tr, "--workers", "1", "--model", "tiny", "--inference", inf,
+                                 "--run", "roles", "--worker-listen", wl, *tls], env, log))
+        status = "/reshard.v1.TrainerService/GetStatus"
+        t0 = time.monotonic()
+        while True:
+            code, st = call("operator", status, pb.StatusRequest())
+            if code == grpc.StatusCode.OK and st.serving_state == "SERVING":
+                break
+            assert all(p.poll() is None for p in procs) and time.monotonic() - t0 < 60, (code, log_path.read_text()[-3000:])
+            time.sleep(0.2)
+        op = ["--tls-ca", str(d / "ca.pem"), "--tls-cert", str(d / "operator.pem"), "--tls-key", str(d / "operator-key.pem")]
+        r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--wait", "--json", "--timeout", "60",
+                            *op], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr + log_path.read_text()[-3000:]
+        assert json.loads(r.stdout)["committed"]["run"] == "roles"
+
+        def state():
+            return [(s.version, list(s.deployments), [(w.rank, w.pid, w.version) for w in s.workers]) for s in
+                    (call("admin", m, pb.StatusRequest())[1] for m in ("/reshard.v1.InferenceService/GetStatus", status))]
+
+        before = state()
+        # The review's finding: the operator's certificate read the weights, attached a deployment, began an update.
+        forged = pb.BeginUpdateRequest(update_id="forged", version=pb.Version(run="evil", step=99), src_fingerprint="f",
+                                       session=pb.Session(id="s"))
+        for method, req in (("/reshard.v1.InferenceService/Dump", pb.DumpRequest(tensor="lm_head.weight")),
+                            ("/reshard.v1.TrainerService/AttachInference", pb.AttachRequest(address="10.0.0.1:1")),
+                            ("/reshard.v1.InferenceService/BeginUpdate", forged)):
+            code, details = call("operator", method, req)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (method, code, details)
+        code, chunks = call("admin", "/reshard.v1.InferenceService/Dump", pb.DumpRequest(tensor="lm_head.weight"))
+        assert code == grpc.StatusCode.OK and chunks[0].version.run == "roles", (code, chunks)
+        assert call("peer", "/reshard.v1.InferenceService/AbortUpdate", pb.AbortUpdateRequest(update_id="none"))[0] == \
+            grpc.StatusCode.OK
+        hello = wpb.WorkerMessage(hello=wpb.Hello(rank=0, world=1, pid=4242, role="trainer", model="tiny"))
+        code, details = call("worker", "/reshard.worker.v1.WorkerControl/Attach", hello)
+        assert code == grpc.StatusCode.ALREADY_EXISTS, (code, details)  # let in: the rank is held by its live worker
+        # Every RPC, from every certificate whose role may not make it: refused, whatever the request.
+        refused = 0
+        for method in METHOD_ROLES:
+            service, name = method.rsplit("/", 1)
+            m = next(x.services_by_name[service.split(".")[-1]] for x in (pb.DESCRIPTOR, wpb.DESCRIPTOR)
+                     if service[1:] in [s.full_name for s in x.services_by_name.values()]).methods_by_name[name]
+            for who in certs:
+                if may_call({who}, method):
+                    continue
+                code, details = call(who, method, GetMessageClass(m.input_type)())
+                assert code == grpc.StatusCode.PERMISSION_DENIED and f"needs the {METHOD_ROLES[method]} role" in details, \
+                    (method, who, code, details)
+                refused += 1
+        assert refused >= 2 * len(METHOD_ROLES), refused
+        pid = procs[0].pid
+        rss0 = _peak_rss_mib(pid)
+        begin = "/reshard.v1.InferenceService/BeginUpdate"
+        assert call("operator", begin, b"\xff" * 64, raw=True)[0] == grpc.StatusCode.PERMISSION_DENIED  # never parsed
+        code, details = call("operator", begin, bytes(60 << 20), raw=True)
+        rss1 = _peak_rss_mib(pid)
+        print(f"inference controller peak RSS {rss0:.0f} -> {rss1:.0f} MiB across a 60 MiB request from the operator's "
+              "certificate")
+        assert code == grpc.StatusCode.PERMISSION_DENIED and rss1 - rss0 < 48, (code, details, rss0, rss1)
+        assert state() == before
+    finally:
+        stop_processes(procs)
+
+
 def _capture_server():
     """A gRPC server that answers nothing (UNIMPLEMENTED) and records each call's method and
     bearer token: any address a controller or a client may be pointed at (an attached one, say)."""
@@ -632,7 +768,7 @@ def test_off_loopback_needs_tls_and_authentication(pki, tmp_path):
 @pytest.mark.slow  # about 20 s
 def test_mutual_tls_with_reshard_certs(pki, tmp_path):
     """`reshard certs` output runs a service with mutual TLS and tokens: the operator's CLI with
-    the client certificate gets in; a certificate from another CA, or none, does not."""
+    its certificate gets in; a certificate from another CA, or none, does not."""
     d = tmp_path / "certs"
     r = subprocess.run([*module_command("reshard.cli"), "certs", "--out", str(d)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -646,7 +782,7 @@ def test_mutual_tls_with_reshard_certs(pki, tmp_path):
     try:
         status = [*module_command("reshard.cli"), "status", "--inference", inf, "--json", "--tls-ca", str(d / "ca.pem"),
                   "--token-file", str(d / "operator.token")]
-        mine = ["--tls-cert", str(d / "client.pem"), "--tls-key", str(d / "client-key.pem")]
+        mine = ["--tls-cert", str(d / "operator.pem"), "--tls-key", str(d / "operator-key.pem")]
         t0 = time.monotonic()
         while True:
             r = subprocess.run(status + mine, env=env, capture_output=True, text=True, timeout=60)
@@ -664,15 +800,16 @@ def test_mutual_tls_with_reshard_certs(pki, tmp_path):
 
 @pytest.mark.slow  # two deployments' starts: about 30 s
 def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(tmp_path):
-    """--mtls --allow-peer NAME: a trainer whose client certificate does not carry NAME cannot
-    push (PERMISSION_DENIED, nothing served changes); the named one can."""
+    """--mtls --allow-peer NAME, no tokens: a trainer whose client certificate (with the peer role)
+    does not carry NAME cannot push (PERMISSION_DENIED, nothing served changes); the named one can.
+    The operator triggers with its own certificate."""
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    for who in ("inference", "trainer-a", "trainer-b"):
-        c = ca.issue_cert(who, "127.0.0.1", "localhost")
-        c.private_key_pem.write_to_path(str(tmp_path / f"{who}-key.pem"))
-        c.cert_chain_pems[0].write_to_path(str(tmp_path / f"{who}.pem"))
+    for who, roles in (("inference", ()), ("trainer-a", ("peer",)), ("trainer-b", ("peer",)), ("operator", ("operator",))):
+        key, cert = _issue(ca, who, *roles)
+        (tmp_path / f"{who}-key.pem").write_bytes(key)
+        (tmp_path / f"{who}.pem").write_bytes(cert)
     base = {k: v for k, v in os.environ.items() if not k.startswith("RESHARD_T")}
     env_of = lambda who: dict(base, RESHARD_TLS_CERT=str(tmp_path / f"{who}.pem"), RESHARD_TLS_KEY=str(tmp_path / f"{who}-key.pem"),  # noqa: E731
                               RESHARD_TLS_CA=str(tmp_path / "ca.pem"), RESHARD_MTLS="1")
@@ -687,8 +824,9 @@ def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(t
                 tr = f"127.0.0.1:{free_port()}"
                 procs.append(_start(["trainer", "--listen", tr, "--workers", "1", "--model", "tiny", "--inference", inf,
                                      "--run", who], env_of(who), log))
-                creds = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes(), (tmp_path / f"{who}-key.pem").read_bytes(),
-                                                     (tmp_path / f"{who}.pem").read_bytes())
+                creds = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes(),
+                                                     (tmp_path / "operator-key.pem").read_bytes(),
+                                                     (tmp_path / "operator.pem").read_bytes())
                 t0 = time.monotonic()
                 while True:  # the trainer answers before it is asked to update
                     try:
@@ -699,7 +837,7 @@ def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(t
                         assert time.monotonic() - t0 < 60, log_path.read_text()[-3000:]
                         time.sleep(0.2)
                 r = subprocess.run([*module_command("reshard.cli"), "update", "--trainer", tr, "--wait", "--json",
-                                    "--timeout", "60"], env=env_of(who), capture_output=True, text=True, timeout=120)
+                                    "--timeout", "60"], env=env_of("operator"), capture_output=True, text=True, timeout=120)
                 if who == "trainer-b":
                     assert r.returncode != 0 and "may not make peer calls here" in r.stdout + r.stderr, r.stdout + r.stderr
                     stop_processes([procs.pop()])

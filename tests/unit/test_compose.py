@@ -353,6 +353,39 @@ def test_the_certs_command_issues_private_files_and_keeps_them(tmp_path, service
         build_parser().parse_args([*argv, "--force"])
 
 
+def test_certs_issues_one_certificate_per_role_and_keeps_an_older_set_with_a_warning(tmp_path, capsys):
+    """Each client certificate carries its role as a URI SAN (reshard-role:ROLE), server.pem the
+    peer's (the trainer controller presents it to inference). A complete set an older version wrote
+    (a role-less client.pem instead of the role certificates) is kept by --keep-existing with a
+    warning (it still serves TLS and tokens; with --mtls its certificates grant nothing), replaced
+    whole by --force."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from reshard.common.control.security import ROLE_URI
+
+    assert run_certs(["certs", "--out", str(tmp_path)], capsys)[0] == 0
+
+    def roles(f: str) -> set[str]:
+        cert = x509.load_pem_x509_certificate((tmp_path / f).read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return {u[len(ROLE_URI):] for u in san.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(ROLE_URI)}
+
+    assert {f: roles(f) for f in ("server.pem", "operator.pem", "admin.pem", "worker.pem")} == \
+        {"server.pem": {"peer"}, "operator.pem": {"operator"}, "admin.pem": {"admin"}, "worker.pem": {"worker"}}
+    for r in certs_cmd.CLIENT_ROLES:  # the older set: client.pem in place of the role certificates
+        (tmp_path / f"{r}.pem").rename(tmp_path / "client.pem")
+        (tmp_path / f"{r}-key.pem").rename(tmp_path / "client-key.pem")
+    kept = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    rc, err = run_certs(["certs", "--out", str(tmp_path), "--keep-existing"], capsys)
+    assert rc == 0 and "older reshard" in err and "carry no role" in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == kept
+    (tmp_path / "peer.token").unlink()  # an older set, partial: refused like any
+    assert run_certs(["certs", "--out", str(tmp_path), "--keep-existing"], capsys)[0] == 2
+    rc, err = run_certs(["certs", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "client.pem" in err
+    assert run_certs(["certs", "--out", str(tmp_path), "--force"], capsys)[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(certs_cmd.FILES)  # client.pem gone with its CA
+
+
 def test_certs_keeps_a_set_issued_for_other_names_but_says_so(tmp_path, capsys):
     pytest.importorskip("cryptography")
     assert run_certs(["certs", "--out", str(tmp_path), "--host", "localhost"], capsys)[0] == 0

@@ -10,6 +10,7 @@ from reshard.common.control.security import (
     AuthInterceptor,
     Security,
     SecurityError,
+    certificate_roles,
     is_loopback,
     may_call,
     read_tokens,
@@ -85,6 +86,51 @@ def test_server_matches_tokens_to_roles():
     assert auth.roles_of("o" * 20) == {"operator"}
     assert auth.roles_of("q" * 20) == {"peer"}
     assert auth.roles_of("o" * 19) == set() and auth.roles_of("") == set()
+
+
+def test_a_certificates_roles_are_its_reshard_role_uris_only():
+    """gRPC's auth context lists a certificate's URI SANs apart (peer_uri): a DNS name, an e-mail
+    address or a common name spelled like a role is none."""
+    ctx = {"peer_uri": [b"reshard-role:admin", b"reshard-role:root", b"spiffe://x/reshard-role:peer"],
+           "peer_dns": [b"reshard-role:peer"], "peer_email": [b"reshard-role:worker@x"],
+           "x509_common_name": [b"reshard-role:operator"],
+           "x509_subject_alternative_name": [b"reshard-role:admin", b"reshard-role:peer", b"reshard-role:worker@x"]}
+    assert certificate_roles(ctx) == {"admin"}
+    assert certificate_roles({}) == set() and certificate_roles({"peer_uri": [b"reshard-role:"]}) == set()
+
+
+def test_roles_come_from_the_token_and_with_mutual_tls_the_certificate():
+    """A caller holds its token's roles and, on a server with mutual TLS, its certificate's: a role
+    from either lets it in; a certificate without the role is PERMISSION_DENIED, with or without a
+    token; an unknown token is UNAUTHENTICATED unless the certificate holds the role."""
+    import grpc
+
+    auth = AuthInterceptor((("operator", "o" * 20),), certificates=True)
+    dump, status = "/reshard.v1.InferenceService/Dump", "/reshard.v1.InferenceService/GetStatus"
+    assert auth.refusal(dump, "", set(), {"admin"}) is None
+    assert auth.refusal(status, "", set(), {"admin"}) is None  # an admin may do what an operator may
+    assert auth.refusal(status, "o" * 20, {"operator"}, set()) is None
+    assert auth.refusal(dump, "x" * 20, set(), {"admin"}) is None
+    code, why = auth.refusal(dump, "", set(), {"operator"})
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "reshard-role:admin" in why and "holds operator" in why, why
+    code, why = auth.refusal(dump, "", set(), set())
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "no role" in why and "no token was sent" in why, why
+    assert auth.refusal(dump, "o" * 20, {"operator"}, {"peer"})[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert auth.refusal(dump, "x" * 20, set(), set())[0] == grpc.StatusCode.UNAUTHENTICATED
+    # Without mutual TLS, tokens alone, as before.
+    assert auth.refusal(dump, "", set())[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert auth.refusal(dump, "o" * 20, {"operator"})[0] == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_mutual_tls_checks_roles_on_tls_ports_with_or_without_tokens():
+    mtls = Security(cert="c", key="k", ca="a", mtls=True)
+    [auth] = mtls.interceptors()
+    assert auth.certificates
+    assert mtls.interceptors(tls_port=False) == []  # a worker listener's Unix socket: no certificates there
+    [auth] = dataclasses.replace(mtls, tokens=(("worker", "w" * 20),)).interceptors(tls_port=False)
+    assert not auth.certificates
+    assert Security(cert="c", key="k").interceptors() == []  # loopback without credentials: nothing to check
+    assert not Security(cert="c", key="k", tokens=(("peer", "p" * 20),)).interceptors()[0].certificates
 
 
 def test_listen_rule():
