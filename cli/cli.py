@@ -16,6 +16,7 @@ from reshard.common.dataplane.backend import BACKENDS
 from reshard.common.models.presets import MODELS
 
 DEFAULT_MODEL = "llama-1g"
+log = logging.getLogger("reshard.cli")
 
 
 def add_client_flags(p) -> None:
@@ -133,9 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="workers (default: the layout's ranks, or 4)")
     p.add_argument("--layout", type=_layout_spec, default="",
                    help="standalone workers' layout, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all workers)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=["shadow", "inplace"], default="shadow")
+    p.add_argument("--mode", choices=["shadow", "inplace"], default=None,
+                   help="standalone workers' staging (default shadow); embedded workers choose their own "
+                        "(InferenceWorker mode=, the vLLM backend's init info), which the controller reads from them")
     service_args(p, "InferenceWorkers embedded in a serving engine")
     p.add_argument("--allow-peer", action="append", default=[],
                    help="with --mtls: a trainer identity (name in its client certificate) that may push here; repeat "
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="workers (default: the layout's ranks, or 2)")
     p.add_argument("--layout", type=_layout_spec, default="",
                    help="standalone workers' layout, e.g. framework=megatron,tp=2,pp=2 (default: megatron TP over all workers)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--inference", type=_address("inference address"), action="append", default=[],
                    help="an inference deployment to update (repeat for several; more can be attached later)")
     p.add_argument("--seed", type=int, default=0)
@@ -441,6 +444,15 @@ def check_service_args(a) -> None:
     Raises ValueError saying what to change."""
     from reshard.common.models.frameworks import world_of
 
+    if a.external_workers:
+        if a.command == "inference" and a.mode is not None:
+            log.warning("--mode %s is ignored with --external-workers: each embedded worker stages as it was made "
+                        "(the controller logs what they report)", a.mode)
+        a.model = a.model or ""  # a label only: the workers declare their own layout
+    else:
+        a.model = a.model or DEFAULT_MODEL
+    if a.command == "inference":
+        a.mode = a.mode or "shadow"
     if not a.external_workers and a.model not in MODELS:
         raise ValueError(f"--model {a.model!r} is not a built-in model: standalone workers take one of "
                          f"{', '.join(sorted(MODELS))} (with --external-workers any label will do)")

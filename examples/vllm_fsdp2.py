@@ -124,7 +124,7 @@ class Offline:
     def update(self, step: int) -> str:
         from reshard.integrations.vllm import update
 
-        return update(self.llm, step)  # waits until every vLLM rank has it, then serves it
+        return update(self.llm, step, run="rl")  # waits until every vLLM rank has it, then serves it
 
     def generate(self, prompts: list[list[int]]) -> list[dict]:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.greedy, use_tqdm=False)
@@ -177,7 +177,7 @@ class Server:
     def update(self, step: int) -> str:
         from reshard.integrations.vllm import update_server
 
-        return update_server(self.url, step)
+        return update_server(self.url, step, run="rl")  # the trainer's run= below: vLLM reports rl:STEP
 
     def generate(self, prompts: list[list[int]]) -> list[dict]:
         out = []
@@ -246,11 +246,11 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
             with open(args.json, "w") as f:
                 json.dump(results, f)
     finally:
-        if engine is not None:
-            engine.close()
-        for p in trainers:
+        for p in trainers:  # first: a trainer waiting for its next step must not outlive a failure below
             if p.is_alive():
                 p.kill()
+        if engine is not None:
+            engine.close()
         for p in procs:
             p.terminate()
             p.wait(30)

@@ -124,7 +124,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.hub, self.model, self.deadlines = hub, model, deadlines
         hub.on_event = self._on_event
         hub.on_disconnect = self._on_disconnect
-        hub.on_attach = lambda conn: self._reconcile()
+        hub.on_attach = self._on_attach
         hub.on_stale = self._on_stale
         self.update: _Update | None = None
         self.committed: pb.Version | None = None
@@ -140,6 +140,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.epoch_file = epoch_file  # where the newest epoch granted is kept across restarts ('' : memory only)
         self.epoch = _read_epoch(epoch_file)  # the newest epoch granted to a trainer controller: only it may push
         self._dumps = 0  # dumps streaming now: at most MAX_CONCURRENT_DUMPS
+        self._staging_said = ""  # the workers' staging modes, as last logged
         self._dump_buffers: list = []  # (region bytes, coverage) buffers, one per dump streaming at once
 
     # -- state -----------------------------------------------------------------------------
@@ -183,6 +184,22 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             if not msg.done.ok and not u.error:
                 u.error = f"inference rank {conn.rank}: {msg.done.error}"
             u.changed.set()
+
+    def _on_attach(self, conn: WorkerConn) -> None:
+        self._reconcile()
+        if self.hub.complete():
+            modes: dict[str, list[int]] = {}
+            for w in self.hub.alive():
+                modes.setdefault(w.hello.staging or "unknown", []).append(w.rank)
+            said = "; ".join(f"{m} on ranks {r}" for m, r in sorted(modes.items()))
+            if said != self._staging_said:  # said once per change, where it applies: what the workers do
+                self._staging_said = said
+                log.info("workers stage updates: %s", said)
+
+    @property
+    def inplace(self) -> bool:
+        """Whether a failed transfer tears what ranks serve: some worker receives in place."""
+        return any(w.hello.staging == "inplace" for w in self.hub.alive())
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         u = self.update
@@ -567,7 +584,6 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         prepared it too: an engine waiting to serve that version stops waiting)."""
         self.hub.send_all(abort=wpb.Abort(update_id=u.id, reason=reason, version=u.version))
 
-    inplace = False
 
     async def GetStatus(self, request, context):
         st = pb.Status(role="inference", model=self.model, serving_state=self.serving_state(), last_error=self.last_error,
@@ -864,7 +880,6 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
             print(f"reshard inference: {e}", file=sys.stderr, flush=True)
             return 2
     ctl = InferenceController(hub, model, deadlines, epoch_file=epoch_file)
-    ctl.inplace = mode == "inplace"
 
     def command(addr: str, rank: int) -> list[str]:
         return module_command("reshard.inference_svc.standalone") + ["--controller", addr, "--rank", str(rank),
@@ -879,7 +894,9 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
     return await serve_controller(
         listen, hub, lambda server: rgrpc.add_InferenceServiceServicer_to_server(ctl, server),
         pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, stop,
-        lambda addr, waddr: f"inference_svc listening on {addr} (model {model}, {workers} workers, {mode} mode)",
+        lambda addr, waddr: f"inference_svc listening on {addr} (" + (
+            f"model {model}, {workers} standalone workers, {mode} staging)" if spawn_workers else
+            f"{workers} external workers on {waddr}{f', model label {model}' if model else ''}; each reports its staging)"),
         command if spawn_workers else None, (watchdog(),), worker_timeout=deadlines.worker_s,
         worker_listen=worker_listen)
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role", "device", "device_uuid", "instance")
+    __slots__ = ("rank", "world", "pid", "rank_layout", "model", "version", "has_version", "role", "device", "device_uuid", "instance", "staging")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class Hello(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world: int
     pid: int
@@ -31,7 +32,8 @@ class Hello(_message.Message):
     device: str
     device_uuid: str
     instance: bytes
-    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., instance: _Optional[bytes] = ...) -> None: ...
+    staging: str
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., instance: _Optional[bytes] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class Prepare(_message.Message):
     __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "src_fingerprint", "dst_fingerprint")

@@ -718,8 +718,10 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
     return await serve_controller(
         listen, hub, lambda server: rgrpc.add_TrainerServiceServicer_to_server(ctl, server),
         pb.DESCRIPTOR.services_by_name["TrainerService"].full_name, stop,
-        lambda addr, waddr: f"trainer_svc listening on {addr} (run {run}, model {model}, {workers} workers on {waddr}, "
-                     f"inference {', '.join(inference) or 'none'})",
+        lambda addr, waddr: f"trainer_svc listening on {addr} (run {run}, "
+                     + (f"model {model}, {workers} standalone workers" if spawn_workers else
+                        f"{workers} external workers{f', model label {model}' if model else ''}")
+                     + f" on {waddr}, inference {', '.join(inference) or 'none'})",
         command if spawn_workers else None, (ctl.runner(), ctl.watch()), worker_timeout=deadlines.worker_s,
         worker_listen=worker_listen)
 

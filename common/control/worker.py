@@ -260,7 +260,8 @@ class WorkerBase:
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
                           rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts),
-                          device=self.device, device_uuid=self.device_uuid, instance=self._instance)
+                          device=self.device, device_uuid=self.device_uuid, instance=self._instance,
+                          staging=getattr(self, "mode", ""))
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True

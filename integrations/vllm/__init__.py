@@ -29,7 +29,9 @@ def update(llm: Any, step: int, *, run: str = "", timeout: float = 0.0) -> str:
     """Make an offline `vllm.LLM` serve trainer step `step` as soon as every rank has it: vLLM's
     start / update / finish calls, then a prefix-cache reset (cached KV blocks were computed with
     the old weights). The weight version vLLM then reports (`get_weight_version()`, and each
-    output's `weight_versions`) is `run:step`, or `step` without a run. Raises (and vLLM keeps
+    output's `weight_versions`) is `run:step`, or `step` when `run` is left empty: vLLM takes the
+    version from this caller, and its API gives no way to read back the run the ranks loaded
+    (pass the trainer's `--run`, which also makes the ranks refuse another run's step). Raises (and vLLM keeps
     serving what it served) if the step is not committed within the timeout, or was superseded
     by a newer one before vLLM asked for it."""
     if step < 0:
@@ -51,7 +53,8 @@ def update_server(base_url: str, step: int, *, run: str = "", timeout: float = 0
     """The same for a vLLM server (`vllm serve ... --weight-transfer-config '{"backend": "reshard"}'`,
     started with VLLM_SERVER_DEV_MODE=1, which serves vLLM's weight-transfer routes): pause
     generation (in-flight requests finish with the weights they started with, and the caches are
-    cleared), start / update / finish, resume. Returns the weight version now served."""
+    cleared), start / update / finish, resume. Returns the weight version now served: `run:step`,
+    or `step` when `run` is left empty (as for `update`)."""
     import json
     import urllib.error
     import urllib.request

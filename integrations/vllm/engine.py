@@ -34,7 +34,6 @@ from vllm.distributed.weight_transfer.base import (
 from reshard.common.control.security import Security
 from reshard.inference_svc.worker import InferenceWorker
 from reshard.integrations.vllm.layout import RankLayout, rank_layout
-from reshard.proto import worker_pb2 as wpb
 
 log = logging.getLogger("vllm.reshard")  # under vLLM's logger: its handlers and level apply
 
@@ -76,14 +75,9 @@ class _Worker(InferenceWorker):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.dirty: set[str] | None = set()  # canonical tensors committed since the last load; None: all
-        self._carrying: set[str] | None = None
-
-    def before_transfer(self, p: wpb.Prepare) -> None:
-        self._carrying = set(p.tensors) if p.tensors else None
-        super().before_transfer(p)
 
     def _commit(self, version) -> None:
-        super()._commit(version)
+        super()._commit(version)  # what the update carried: InferenceWorker._carrying
         if self._carrying is None or self.dirty is None:
             self.dirty = None
         else:

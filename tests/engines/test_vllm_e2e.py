@@ -61,7 +61,8 @@ def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):
     assert [u["step"] for u in res["updates"]] == [1, 2, 3]
     seen = set()
     for u in res["updates"]:
-        assert u["version"] == u["weight_version"] == str(u["step"])
+        # The run comes from what the ranks loaded (the trainer's run=, "rl"), not from the caller (issue 28, item 25).
+        assert u["version"] == u["weight_version"] == f"rl:{u['step']}", (u["version"], u["weight_version"])
         weights = torch.load(tmp_path / f"step{u['step']}.pt")
         n = len(u["generations"][0]["tokens"])
         ref = hf_reference(res["config"], weights, res["prompts"], n)

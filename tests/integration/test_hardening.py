@@ -470,3 +470,47 @@ def test_fencing_survives_an_inference_restart_and_cannot_be_taken_by_naming_an_
         assert rc == 0, out
     finally:
         stop_processes(procs)
+
+
+def test_the_controller_takes_the_staging_its_workers_report():
+    """Item 26: a deployment of embedded in-place workers behind a controller started without --mode
+    (standalone workers' setting, shadow by default): a transfer that fails midway tears their weights,
+    so the deployment must say NOT_SERVING (it said SERVING, judging by its own flag). Item 27: with
+    external workers and no --model, no model label is made up."""
+    src, dst = megatron_layout(CFG, 2), vllm_layout(CFG, 2)
+    svc = Services("stg", trainer_args=("--bucket-bytes", "4096", "--update-timeout", "4"),
+                   inference_args=("--update-timeout", "4"))
+    workers: list = []
+    try:
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
+            workers.append(InferenceWorker(svc.inf_w, r, 2, dst.tensors, bufs, mode="inplace").start())
+        trs = []
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
+            fill(src, r, {n: t for n, (_, t) in bufs.items()}, canonical(1))
+            trs.append(TrainerWorker(svc.tr_w, r, 2, src.tensors, bufs, run="stg").start())
+        workers += trs
+        for w in workers:
+            assert w.wait_connected(60)
+        handles = [w.publish(1) for w in trs]
+        assert all(h.wait_outcome(60) is True for h in handles), [h.error for h in handles]
+        assert json.loads(cli("status", "--inference", svc.inf, "--json", check=True).stdout)["serving_state"] == "SERVING"
+        trs[0].fault = {"slow_after": 0, "slow_seconds": 30.0, "once": 1}  # step 2 stalls past the deadline
+        for r, w in enumerate(trs):
+            fill(src, r, w.live, canonical(2))
+        handles = [w.publish(2) for w in trs]
+        assert all(h.wait_outcome(60) is False for h in handles), [h.error for h in handles]
+        t0 = time.monotonic()
+        while True:
+            st = json.loads(cli("status", "--inference", svc.inf, "--json", check=True).stdout)
+            if st["serving_state"] == "NOT_SERVING" and not st["update_in_progress"]:
+                break
+            assert time.monotonic() - t0 < 30, st
+            time.sleep(0.2)
+        assert st["model"] == "", st["model"]
+        assert not any(w.serving_ok for w in workers[:2])
+    finally:
+        for w in workers:
+            w.stop()
+        svc.close()
