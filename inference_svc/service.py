@@ -204,8 +204,11 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     def _on_disconnect(self, conn: WorkerConn) -> None:
         u = self.update
         if u is not None and u.phase not in ("DONE", "ABORT"):
-            u.error = u.error or f"inference worker rank {conn.rank} (pid {conn.pid}) died during the update"
+            why = f"inference worker rank {conn.rank} (pid {conn.pid}) died during the update"
+            u.error = u.error or why
             u.changed.set()
+            if u.finish is None and u.phase != "NEGOTIATE":  # as for a frozen worker: abort now, the cause on record
+                keep_task(self._tasks, self._abort(u, u.error))
         self._reconcile()
 
     def _on_stale(self, conn: WorkerConn) -> None:

@@ -447,6 +447,20 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         out.deployments.extend(d.status() for d, _ in outs)
         return out
 
+    async def _inference_cause(self, d: Deployment, uid: str, wait: float) -> str:
+        """Why inference aborted update `uid`, if it did within `wait` seconds ('' otherwise)."""
+        until = time.monotonic() + wait
+        while True:
+            try:
+                st = await d.stub.GetStatus(pb.StatusRequest(), timeout=min(2.0, self.deadlines.rpc_s))
+                if st.progress.update_id == uid and st.progress.phase == "ABORT" and st.last_error:
+                    return f"inference aborted the update: {st.last_error}"
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() >= until:
+                return ""
+            await asyncio.sleep(0.1)
+
     async def _check_inference(self, d: Deployment, uid: str) -> None:
         """Fail the transfer at once when the inference side has aborted the update: our ranks may
         be blocked sending to a frozen one of its ranks, which no error of ours would reveal."""
@@ -544,7 +558,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         while True:
             failed = [td for td in self._done.values() if not td.ok]
             if failed:
-                raise UpdateFailed(f"trainer rank transfer failed: {failed[0].error}")
+                # A rank's data-plane error ("connection closed by peer") is the symptom; when inference
+                # aborted the update it knows the cause (a rank of its own died or froze): say that.
+                cause = await self._inference_cause(d, uid, min(2.0, max(0.0, deadline - time.monotonic())))
+                rank = next(r for r, td in self._done.items() if not td.ok)
+                raise UpdateFailed(f"{cause} (trainer rank {rank} saw: {failed[0].error})" if cause
+                                   else f"trainer rank {rank} transfer failed: {failed[0].error}")
             if ready():
                 return
             if not self.hub.complete():

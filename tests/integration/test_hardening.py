@@ -514,3 +514,27 @@ def test_the_controller_takes_the_staging_its_workers_report():
         for w in workers:
             w.stop()
         svc.close()
+
+
+def test_an_inference_worker_killed_mid_transfer_is_named_as_the_cause():
+    """Item 21: after an inference worker dies mid-transfer, the update's error named only the
+    trainer's raw data-plane error; it must name the dead rank."""
+    import signal
+
+    from .cluster import Cluster
+
+    env = {"RESHARD_FAULT_RANK": "1", "RESHARD_FAULT_SLOW_AFTER": "0", "RESHARD_FAULT_SLOW_SECONDS": "5",
+           "RESHARD_FAULT_ONCE": "1"}
+    c = Cluster("tiny", inference_workers=2, bucket_bytes=4096, inference_env=env)
+    try:
+        victim = c.worker_pid(1)
+        proc = subprocess.Popen([sys.executable, "-m", "reshard.cli", "update", "--trainer", c.tr, "--wait", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        c.wait_for(lambda s: s["update_in_progress"] and s["progress"]["phase"] == "TRANSFER"
+                   and int(s["progress"]["bytes_done"]) > 0, timeout=60, what="TRANSFER with progress")
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "inference worker rank 1" in err and "died" in err, err
+    finally:
+        c.close()
