@@ -18,6 +18,7 @@ import grpc
 
 from reshard.common.control import faults
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, serve_controller
+from reshard.common.control.phases import FINISHING, TERMINAL, Phase
 from reshard.common.control.rpc import Deadlines, clamp_timeout, keep_task, run_main
 from reshard.common.control.security import current as current_security
 from reshard.common.control.supervisor import module_command
@@ -25,7 +26,8 @@ from reshard.common.dataplane.backend import plan_options
 from reshard.common.layout.core import Layout, LayoutError, dtype_of
 from reshard.common.layout.wire import layout_fingerprint, layout_from_bytes
 from reshard.common.plan import verify
-from reshard.common.plan.planner import Plan, make_plan
+from reshard.common.plan.cache import PlanCache
+from reshard.common.plan.planner import Plan
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -35,8 +37,6 @@ log = logging.getLogger("reshard.inference_svc")
 DUMP_CHUNK = 1 << 20  # bytes of one DumpChunk
 DUMP_REGION_BYTES = 4 << 20  # a dump reads, assembles and streams the tensor this many bytes at a time
 MAX_CONCURRENT_DUMPS = 2  # dumps streaming at once from one controller; one more is refused (RESOURCE_EXHAUSTED)
-TERMINAL = ("DONE", "ABORT")
-FINISHING = ("VERIFY", "COMMIT")  # FinishUpdate owns the update: nothing else may abort it
 
 
 def _v(version: pb.Version | None) -> str:
@@ -46,7 +46,7 @@ def _v(version: pb.Version | None) -> str:
 class _Update:
     def __init__(self, req: pb.BeginUpdateRequest, world: int) -> None:
         self.id, self.version, self.mode = req.update_id, req.version, req.mode or "reshard"
-        self.phase = "NEGOTIATE"
+        self.phase = Phase.NEGOTIATE
         self.started = time.monotonic()
         self.deadline = self.started + (req.timeout_s or 120.0)
         self.done: dict[int, wpb.TransferDone] = {}
@@ -131,7 +131,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.history: list[pb.UpdateRecord] = []
         self.last_error = ""
         self._sources: collections.OrderedDict[str, tuple[Layout, bytes]] = collections.OrderedDict()  # by fingerprint
-        self._plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
+        self._plans = PlanCache(4)
         self._lock = asyncio.Lock()
         self.torn: set[str] = set()  # tensors a failed in-place update left half-written: not served until carried again
         self.instance = uuid.uuid4().hex[:8]  # a restarted controller is a new membership
@@ -160,17 +160,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return src, req.src_layout
 
     async def _plan(self, src: Layout, dst: Layout, req: pb.BeginUpdateRequest) -> Plan:
-        """The update's plan, kept per (layouts, bucket, tensors): planned off the loop, once."""
+        """The update's plan, kept by what determines it: planned off the loop, once."""
         opts = plan_options(req.bucket_bytes, req.session.transport)
-        key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, opts.relay, tuple(sorted(req.tensors)))
-        plan = self._plans.pop(key, None)
-        if plan is None:
-            subset = set(req.tensors) if req.tensors else None
-            plan = await asyncio.get_running_loop().run_in_executor(None, make_plan, src, dst, opts, subset)
-        self._plans[key] = plan
-        while len(self._plans) > 4:
-            self._plans.popitem(last=False)
-        return plan
+        subset = set(req.tensors) if req.tensors else None
+        return await asyncio.get_running_loop().run_in_executor(None, self._plans.plan, src, dst, opts, subset)
 
     def _on_event(self, conn: WorkerConn, msg: wpb.WorkerMessage) -> None:
         u = self.update
@@ -203,11 +196,11 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         u = self.update
-        if u is not None and u.phase not in ("DONE", "ABORT"):
+        if u is not None and u.phase not in TERMINAL:
             why = f"inference worker rank {conn.rank} (pid {conn.pid}) died during the update"
             u.error = u.error or why
             u.changed.set()
-            if u.finish is None and u.phase != "NEGOTIATE":  # as for a frozen worker: abort now, the cause on record
+            if u.finish is None and u.phase != Phase.NEGOTIATE:  # as for a frozen worker: abort now, the cause on record
                 keep_task(self._tasks, self._abort(u, u.error))
         self._reconcile()
 
@@ -349,7 +342,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         async with self._lock:
             cur = self.update
             if cur is not None and cur.id == req.update_id:  # a retried call
-                if cur.phase == "ABORT":
+                if cur.phase == Phase.ABORT:
                     await context.abort(grpc.StatusCode.ABORTED, f"update {req.update_id} was aborted: {cur.error}")
                 if cur.begin_reply is not None:
                     return cur.begin_reply
@@ -399,7 +392,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.note = f"rollback allowed by the operator: from {_v(served)} to {_v(req.version)}"
                 log.warning("update %s: %s", req.update_id, u.note)
             self.update = u
-            faults.at_phase("inference", "NEGOTIATE", workers=self.hub)
+            faults.at_phase("inference", Phase.NEGOTIATE.value, workers=self.hub)
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)
                 self._reconcile()
@@ -412,16 +405,14 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     raise LayoutError(f"plan digest mismatch: trainer {req.plan_digest}, inference {plan.digest}")
                 u.plan = plan
                 u.bytes_total = plan.total_bytes
-                self._advance(u, "CONNECT")
-                faults.at_phase("inference", "CONNECT")
+                self._advance(u, Phase.CONNECT)
                 u.requests_at_start = sum(w.requests_served for w in self.hub.alive())
                 prep = wpb.Prepare(update_id=u.id, version=req.version, plan_digest=plan.digest, session=req.session,
                                    timeout_s=req.timeout_s, mode=u.mode, bucket_bytes=req.bucket_bytes, tensors=req.tensors,
                                    src_fingerprint=layout_fingerprint(src), dst_fingerprint=dst_fp)
                 await self.hub.prepare_all(max(self.deadlines.rpc_s, u.deadline - time.monotonic()), prep,
                                            {prep.src_fingerprint: src_bytes, dst_fp: dst_bytes})
-                self._advance(u, "TRANSFER")
-                faults.at_phase("inference", "TRANSFER")
+                self._advance(u, Phase.TRANSFER)
             except _Aborted:
                 await context.abort(grpc.StatusCode.ABORTED, f"update {u.id} was aborted: {u.error}")
             except _UnknownSource as e:
@@ -440,12 +431,18 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return u.begin_reply
 
     @staticmethod
-    def _advance(u: _Update, phase: str) -> None:
-        """Move `u` to `phase`, unless an abort (a stale or dead worker, seen while this call awaited)
-        ended it meanwhile: an ABORT is never overwritten."""
+    def _enter(u: _Update, phase: Phase) -> None:
+        """Into `phase` (the fault hook may strike there)."""
+        u.phase = phase
+        faults.at_phase("inference", phase.value)
+
+    @classmethod
+    def _advance(cls, u: _Update, phase: Phase) -> None:
+        """Into `phase`, unless an abort (a stale or dead worker, seen while this call awaited) ended
+        the update meanwhile: an ABORT is never overwritten."""
         if u.phase in TERMINAL:
             raise _Aborted(u.error)
-        u.phase = phase
+        cls._enter(u, phase)
 
     async def FinishUpdate(self, req: pb.FinishUpdateRequest, context):
         """Verify and commit on every rank, once: a retried call (or one that arrives while the
@@ -458,7 +455,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         u = self.update
         if done is None and (u is None or u.id != req.update_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no update {req.update_id!r} in progress")
-        if done is None and u.phase == "ABORT":
+        if done is None and u.phase == Phase.ABORT:
             await context.abort(grpc.StatusCode.ABORTED, f"update {_v(u.version)} failed: {u.error}")
         if done is None:
             if u.finish is None:
@@ -492,8 +489,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                     pass
             if u.error:
                 raise WorkerError(u.error)
-            u.phase = "VERIFY"
-            faults.at_phase("inference", "VERIFY")
+            self._enter(u, Phase.VERIFY)
             t0 = time.perf_counter()
             self.hub.meter.add("FinishUpdateRequest", req)
             values = verify.slot_values(u.plan, req.expected)
@@ -501,8 +497,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             await self.hub.call_all(left, lambda w: {"verify": wpb.Verify(
                 update_id=u.id, expected=verify.rank_expected(u.plan, w.rank, values))})
             verify_s = time.perf_counter() - t0
-            u.phase = "COMMIT"
-            faults.at_phase("inference", "COMMIT")
+            self._enter(u, Phase.COMMIT)
             t0 = time.perf_counter()
             await self.hub.call_all(max(1.0, u.deadline - time.monotonic()), commit=wpb.Commit(update_id=u.id, version=u.version))
             commit_s = time.perf_counter() - t0
@@ -512,7 +507,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             await self._abort(u, str(e), finishing=True)
             self._record(u.id, None, f"update {_v(u.version)} failed: {e}")
             raise _Failed(str(e)) from None
-        u.phase = "DONE"
+        u.phase = Phase.DONE
         self.committed = u.version
         self.torn = set() if u.names is None else self.torn - u.names
         if self.torn:
@@ -563,7 +558,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             await self._abort(u, "update deadline passed without FinishUpdate (trainer gone?)")
 
     async def _fail(self, u: _Update, error: str) -> None:
-        u.phase, u.error = "ABORT", u.error or error
+        u.phase, u.error = Phase.ABORT, u.error or error
         self.last_error = error
         record = pb.UpdateRecord(version=u.version, ok=False, error=error, mode=u.mode, seconds=time.monotonic() - u.started,
                                  update_id=u.id)
@@ -576,7 +571,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         """Abort `u` on every worker. Once FinishUpdate owns it (VERIFY, COMMIT), only FinishUpdate may."""
         if u.phase in TERMINAL or (u.phase in FINISHING and not finishing):
             return
-        in_flight = u.phase in ("TRANSFER", "VERIFY", "COMMIT")
+        in_flight = u.phase in (Phase.TRANSFER, Phase.VERIFY, Phase.COMMIT)
         self._tell_workers(u, reason)
         if in_flight and self.inplace:
             self.torn |= u.names if u.names is not None else set(u.all_names)
@@ -597,7 +592,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             st.has_version = True
         u = self.update
         if u is not None:
-            st.update_in_progress = u.phase not in ("DONE", "ABORT")
+            st.update_in_progress = u.phase not in TERMINAL
             st.progress.CopyFrom(pb.UpdateProgress(phase=u.phase, bytes_done=sum(u.progress.values()), bytes_total=u.bytes_total,
                                                    version=u.version, update_id=u.id))
         for r in range(self.hub.world):
@@ -706,9 +701,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         """Two versions in one dump: a commit while it streamed (ABORTED: run it again), or a
         deployment whose workers hold different versions (FAILED_PRECONDITION)."""
         u = self.update
-        if _v(self.committed) != start or (u is not None and u.phase == "COMMIT"):
+        if _v(self.committed) != start or (u is not None and u.phase == Phase.COMMIT):
             # The newer: the update's (its ranks commit one by one), else the one committed since.
-            target = _v(u.version) if u is not None and u.phase in ("COMMIT", "DONE") else _v(self.committed)
+            target = _v(u.version) if u is not None and u.phase in (Phase.COMMIT, Phase.DONE) else _v(self.committed)
             newer, older = (have, other) if _v(have) == target else (other, have)
             return (grpc.StatusCode.ABORTED,
                     f"version {_v(newer)} was committed while the dump of version {_v(older)} streamed; run it again")

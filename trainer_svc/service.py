@@ -8,6 +8,7 @@ coalesce to the newest; versions never go backwards within a run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -18,6 +19,7 @@ import grpc
 from reshard.common.control import faults
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
 from reshard.common.control.methods import RESHARD, transfer_methods
+from reshard.common.control.phases import AT_REST, Phase
 from reshard.common.control.rpc import RECONNECT_S, Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
 from reshard.common.control.supervisor import module_command
 from reshard.common.dataplane.backend import BACKENDS, BackendError, plan_options, select_backend
@@ -25,7 +27,8 @@ from reshard.common.dataplane.transport import serve_store
 from reshard.common.layout.core import Layout, LayoutError
 from reshard.common.layout.wire import layout_from_bytes
 from reshard.common.plan import verify
-from reshard.common.plan.planner import make_plan, select_tensors
+from reshard.common.plan.cache import PlanCache
+from reshard.common.plan.planner import select_tensors
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -59,12 +62,11 @@ class Deployment:
         self.stub = rgrpc.InferenceServiceStub(self.chan)
         self.session: tuple[str, tuple, bytes, str] | None = None  # (id, what it was opened for, ncclUniqueId, secret)
         self.backend = ""
-        self.plans: dict[tuple, object] = {}  # a few recent plans, by (layouts, bucket, tensors)
         self.dst: tuple[str, Layout, bytes] | None = None  # its layout: (fingerprint, layout, bytes)
         self.src_known = ""  # the source layout fingerprint its controller holds (sent once)
         self.committed: pb.Version | None = None
         self.last_error = ""
-        self.phase = "IDLE"
+        self.phase = Phase.IDLE
         self.repair = False  # a rank there lost the committed version: push it again even though committed
         # The epoch this controller was granted there (0: none yet, asked for with the next layout): a newer
         # controller (a restart, a second one) is granted a newer one, and this one is fenced out.
@@ -87,6 +89,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.method = method  # how every update moves: the parallel reshard, or a measurement tool's method
         self.allow_rollback = allow_rollback  # the operator's choice: another run, or older steps
         self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
+        self.plans = PlanCache(8)  # recent plans of every deployment, by what determines them
         self.deadlines, self.bucket_bytes = deadlines, bucket_bytes
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -109,7 +112,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.outcomes: dict[str, pb.UpdateOutcome] = {}  # by version string
         self.history: list[pb.UpdateRecord] = []
         self.last_error = ""
-        self.phase, self.progress_done, self.progress_total = "IDLE", {}, 0
+        self.phase, self.progress_done, self.progress_total = Phase.IDLE, {}, 0
         self.current: pb.Version | None = None
         self.wake = asyncio.Event()
         self.changed = asyncio.Condition()
@@ -261,7 +264,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         if self.committed is not None:
             st.committed.CopyFrom(self.committed)
             st.has_committed = True
-        busy = self.phase not in ("IDLE", "DONE", "ABORT")
+        busy = self.phase not in AT_REST
         st.update_in_progress = busy
         st.progress.CopyFrom(pb.UpdateProgress(phase=self.phase, bytes_done=sum(self.progress_done.values()),
                                                bytes_total=self.progress_total, detail=self.wait_detail))
@@ -304,7 +307,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         warned: set[str] = set()
         while True:
             await asyncio.sleep(every)
-            if self.requested is not None or self.phase not in ("IDLE", "DONE", "ABORT"):
+            if self.requested is not None or self.phase not in AT_REST:
                 continue
             for d in list(self.deployments.values()):
                 try:
@@ -357,7 +360,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 raise
             except Exception as e:  # noqa: BLE001 - never let the loop die silently
                 log.exception("update loop error")
-                self.phase, self.last_error = "ABORT", f"update {_v(version)}: internal error: {e!r}"
+                self.phase, self.last_error = Phase.ABORT, f"update {_v(version)}: internal error: {e!r}"
                 out = pb.UpdateOutcome(ok=False, error=self.last_error, record=pb.UpdateRecord(version=version, ok=False, error=self.last_error))
             finally:
                 # Every deployment has this version now, or failed and will get a newer one: the
@@ -395,11 +398,11 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.current = version
         try:
             await self._wait_workers(time.monotonic() + self.deadlines.update_s)
-            self.phase = "STEP"
+            self.phase = Phase.STEP
             await self.hub.call_all(self.deadlines.update_s, step=wpb.Step(version=version))
         except WorkerError as e:
             msg = f"trainer workers could not take step {version.step}: {e}"
-            self.phase, self.last_error = "ABORT", f"update {_v(version)}: {msg}"
+            self.phase, self.last_error = Phase.ABORT, f"update {_v(version)}: {msg}"
             log.error("%s", msg)
             return pb.UpdateOutcome(ok=False, error=msg, record=pb.UpdateRecord(version=version, ok=False, error=msg))
         for w in self.hub.alive():
@@ -413,7 +416,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         shows with the ranks it waits for."""
         if self.hub.complete():
             return
-        self.phase, self.wait_detail = "WAITING", "trainer workers not attached yet"
+        self.phase, self.wait_detail = Phase.WAITING, "trainer workers not attached yet"
         missing = sorted(set(range(self.hub.world)) - {w.rank for w in self.hub.alive()})
         log.info("update waits for trainer workers %s to attach (up to %.0fs)", missing, deadline - time.monotonic())
         self.wait_detail = f"trainer workers {missing} not attached yet"
@@ -453,7 +456,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         while True:
             try:
                 st = await d.stub.GetStatus(pb.StatusRequest(), timeout=min(2.0, self.deadlines.rpc_s))
-                if st.progress.update_id == uid and st.progress.phase == "ABORT" and st.last_error:
+                if st.progress.update_id == uid and st.progress.phase == Phase.ABORT and st.last_error:
                     return f"inference aborted the update: {st.last_error}"
             except grpc.aio.AioRpcError:
                 pass
@@ -468,7 +471,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             st = await d.stub.GetStatus(pb.StatusRequest(), timeout=min(2.0, self.deadlines.rpc_s))
         except grpc.aio.AioRpcError:
             return  # unreachable for a moment: the deadline still bounds the wait
-        if st.progress.update_id == uid and st.progress.phase == "ABORT":
+        if st.progress.update_id == uid and st.progress.phase == Phase.ABORT:
             raise UpdateFailed(f"inference aborted the update: {st.last_error}")
 
     async def _finish_update(self, d: Deployment, req: pb.FinishUpdateRequest, deadline: float) -> pb.FinishUpdateReply:
@@ -499,7 +502,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 if e.code() == grpc.StatusCode.UNAVAILABLE and "are not attached" in (e.details() or ""):
                     # Reachable, its workers still starting: waited for within the update's deadline.
                     if time.monotonic() + 0.5 < deadline:
-                        self.phase, self.wait_detail = "WAITING", f"inference at {d.address}: {e.details()}"
+                        self.phase, self.wait_detail = Phase.WAITING, f"inference at {d.address}: {e.details()}"
                         await asyncio.sleep(0.5)
                         continue
                     raise UpdateFailed(f"inference at {d.address} is not ready: {e.details()}") from None
@@ -580,140 +583,179 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 await self._check_inference(d, uid)  # it may have aborted (a frozen rank of its own)
 
     async def _update_one(self, d: Deployment, version: pb.Version, patterns: tuple[str, ...]) -> pb.UpdateOutcome:
-        mode = self.method
-        t0 = time.monotonic()
-        deadline = t0 + self.deadlines.update_s
-        self.current = version
-        self._update_id = uid = uuid.uuid4().hex[:12]
-        self._done, self._connected, self.progress_done, self.progress_total = {}, set(), {}, 0
-        began = False
-        record = pb.UpdateRecord(version=version, mode=mode, deployment=d.address, update_id=uid)
+        """One update of one deployment, phase by phase: any failure, the unexpected ones too, aborts
+        it everywhere (every worker, inference) and drops its data-plane session."""
+        u = self._begin_attempt(d, version)
         try:
-            # NEGOTIATE: layouts and plans are kept while unchanged (fingerprints alone travel).
-            await self._wait_workers(deadline)
-            self.phase = d.phase = "NEGOTIATE"
-            faults.at_phase("trainer", "NEGOTIATE", workers=self.hub)
-            self.hub.meter.reset()
-            loop = asyncio.get_running_loop()
-            src, src_fp, src_bytes = await self.hub.layout()
-            dst_fp, dst, dst_bytes = await self._dest_layout(d, deadline)
-            try:
-                backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)),
-                                         {w.rank: w.hello.device_uuid for w in self.hub.alive()}, dict(enumerate(self._gpus)))
-            except BackendError as e:
-                raise UpdateFailed(f"{e}; nothing transferred") from None
-            opts = plan_options(self.bucket_bytes, backend)
-            try:
-                subset = select_tensors(dst, patterns)
-            except LayoutError as e:
-                raise UpdateFailed(str(e)) from None
-            try:
-                names = sorted(subset) if subset is not None else []
-                key = (src_fp, dst_fp, opts.bucket_bytes, opts.relay, tuple(names))
-                plan = d.plans.pop(key, None)
-                if plan is None:
-                    plan = await loop.run_in_executor(None, make_plan, src, dst, opts, subset)
-                d.plans[key] = plan  # most recent last
-                while len(d.plans) > 4:
-                    d.plans.pop(next(iter(d.plans)))
-            except LayoutError as e:
-                raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
-            self.progress_total = plan.total_bytes
-            # CONNECT: reuse the session while membership is unchanged.
-            phases = record.phase_seconds
-            phases["negotiate"] = time.monotonic() - t0
-            self.phase = d.phase = "CONNECT"
-            faults.at_phase("trainer", "CONNECT", workers=self.hub)
-            # Inference membership too: a worker restarted there must not be handed a session its
-            # peers cached with the dead process.
-            gpus = ([w.hello.device_uuid for w in self.hub.alive()] + list(self._gpus)
-                    if backend == "hybrid" else [])  # each session rank's GPU: hosts and guests follow from it
-            key_of = (dst_fp, self._membership, src_fp, self.hub.generation, backend, tuple(gpus))
-            if d.session is None or d.session[1] != key_of:
-                sid, nccl_id = uuid.uuid4().hex[:12], b""
-                key = secrets.token_hex(16)  # the session's keys in the store live under it: never logged
-                if backend in ("nccl", "hybrid"):  # a fresh id per session (so per retry): trainer worker 0 hosts its root
-                    rep = await self.hub.call(self.hub.workers[0], self.deadlines.rpc_s, nccl_unique_id=wpb.NcclUniqueId(session=sid))
-                    nccl_id = rep.nccl_unique_id
-                d.session = (sid, key_of, nccl_id, key)
-            d.backend = backend
-            session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
-                                 src_world=src.world, dst_world=dst.world, transport=backend, nccl_unique_id=d.session[2],
-                                 key=d.session[3], device_uuids=gpus)
-            left = deadline - time.monotonic()
-            begin = pb.BeginUpdateRequest(
-                update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=left, mode=mode,
-                bucket_bytes=self.bucket_bytes, tensors=names, epoch=d.epoch, allow_rollback=self.allow_rollback,
-                src_fingerprint=src_fp)
-            await self._begin_update(d, begin, src_bytes, deadline)
-            began = True
-            prep = wpb.Prepare(update_id=uid, version=version, plan_digest=plan.digest, session=session,
-                               timeout_s=deadline - time.monotonic(), mode=mode, bucket_bytes=self.bucket_bytes, tensors=names,
-                               src_fingerprint=src_fp, dst_fingerprint=dst_fp)
-            # A cold prepare plans (seconds at scale): it has the update's deadline, and fails at once
-            # if a worker goes silent.
-            await self.hub.prepare_all(max(self.deadlines.rpc_s, deadline - time.monotonic()), prep,
-                                       {src_fp: src_bytes, dst_fp: dst_bytes})
-            # CONNECT ends when every trainer rank joined the session and connected to its peers (which
-            # needs the inference ranks too); TRANSFER then times the rounds alone.
-            await self._await_ranks(d, uid, deadline, lambda: len(self._connected | set(self._done)) >= self.hub.world,
-                                    "while connecting")
-            self.phase = d.phase = "TRANSFER"
-            faults.at_phase("trainer", "TRANSFER", workers=self.hub)
-            t_transfer = time.monotonic()
-            phases["connect"] = t_transfer - t0 - phases["negotiate"]
-            await self._await_ranks(d, uid, deadline, lambda: len(self._done) >= self.hub.world, "during the transfer")
-            record.transfer_seconds = time.monotonic() - t_transfer
-            # VERIFY + COMMIT (on inference, all ranks or none)
-            self.phase = d.phase = "VERIFY"
-            faults.at_phase("trainer", "VERIFY", workers=self.hub)
-            reports = [td.checksums for td in self._done.values() if td.HasField("checksums")]
-            values = await asyncio.get_running_loop().run_in_executor(None, verify.merge_reports, plan, reports)
-            req = pb.FinishUpdateRequest(update_id=uid, expected=verify.dense(plan, values))
-            self.hub.meter.add("FinishUpdateRequest", req)
-            began = False  # from here inference owns the outcome: it commits on every rank or aborts itself
-            rep = await self._finish_update(d, req, deadline)
+            await self._wait_workers(u.deadline)
+            self._enter(u, Phase.NEGOTIATE)
+            await self._negotiate(u, patterns)
+            self._enter(u, Phase.CONNECT)
+            await self._connect(u)
+            self._enter(u, Phase.TRANSFER)
+            await self._await_ranks(d, u.uid, u.deadline, lambda: len(self._done) >= self.hub.world, "during the transfer")
+            self._enter(u, Phase.VERIFY)
+            rep = await self._verify_and_commit(u)
             faults.at_phase("trainer", "COMMIT", workers=self.hub)  # committed on inference, not yet here
-            self.phase = d.phase = "DONE"
-            d.committed, d.repair = rep.committed, False
-            d.last_error = ""
-            record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
-            phases["transfer"] = record.transfer_seconds
-            phases["verify"], phases["commit"] = rep.verify_seconds, rep.commit_seconds
-            record.bytes, record.requests_during = rep.bytes, rep.requests_during
-            record.tensors = len(names) if names else len(dst.tensors)
-            record.seconds = time.monotonic() - t0
-            self.hub.meter.add("FinishUpdateReply", rep)
-            self.hub.meter.record(record)
-            log.info("update %s committed in %.2fs (%s, %d bytes)", _v(version), record.seconds, mode, rep.bytes)
-            self.history.append(record)
-            return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
-        except Exception as e:  # noqa: BLE001 - every failure aborts everywhere, the unexpected ones too
-            if isinstance(e, (UpdateFailed, WorkerError, LayoutError)):
-                msg = str(e)
-            else:
-                log.exception("update %s: internal error", _v(version))
-                msg = f"internal error: {type(e).__name__}: {e}"
-            self.phase = d.phase = "ABORT"
-            self.last_error = f"update {_v(version)}: {msg}" if len(self.deployments) == 1 else f"update {_v(version)} on {d.address}: {msg}"
-            d.last_error = msg
-            log.error("update %s failed: %s", _v(version), msg)
-            self.hub.send_all(abort=wpb.Abort(update_id=uid, reason=msg))
-            d.session, d.repair = None, False
-            # Told even when it never began there: ranks waiting to serve this version stop waiting.
-            try:
-                await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=uid, reason=msg, version=version),
-                                         timeout=self.deadlines.rpc_s)
-            except grpc.aio.AioRpcError as e2:
-                if began:
-                    log.warning("abort on inference failed: %s", status_error(e2))
-            record.ok, record.error, record.seconds = False, msg, time.monotonic() - t0
-            self.hub.meter.record(record)
-            self.history.append(record)
-            return pb.UpdateOutcome(ok=False, error=msg, record=record)
+            return self._committed(u, rep)
+        except Exception as e:  # noqa: BLE001 - every failure aborts everywhere
+            return await self._failed(u, e)
         finally:
             self.history = self.history[-100:]
 
+    def _begin_attempt(self, d: Deployment, version: pb.Version) -> "_Attempt":
+        self.current = version
+        self._update_id = uid = uuid.uuid4().hex[:12]
+        self._done, self._connected, self.progress_done, self.progress_total = {}, set(), {}, 0
+        t0 = time.monotonic()
+        return _Attempt(d, version, uid, t0, t0 + self.deadlines.update_s,
+                        pb.UpdateRecord(version=version, mode=self.method, deployment=d.address, update_id=uid))
+
+    def _enter(self, u: "_Attempt", phase: Phase) -> None:
+        """Into `phase`: status shows it, the fault hook may strike, the phase before is timed."""
+        now = time.monotonic()
+        if u.phase is not None:
+            u.record.phase_seconds[u.phase.value.lower()] = now - (u.t0 if u.phase == Phase.NEGOTIATE else u.entered)
+        u.phase, u.entered = phase, now
+        self.phase = u.d.phase = phase
+        faults.at_phase("trainer", phase.value, workers=self.hub)
+
+    async def _negotiate(self, u: "_Attempt", patterns: tuple[str, ...]) -> None:
+        """Both layouts (kept while unchanged: fingerprints alone travel), the backend, the plan."""
+        self.hub.meter.reset()
+        u.src, u.src_fp, u.src_bytes = await self.hub.layout()
+        u.dst_fp, u.dst, u.dst_bytes = await self._dest_layout(u.d, u.deadline)
+        try:
+            u.backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)),
+                                       {w.rank: w.hello.device_uuid for w in self.hub.alive()}, dict(enumerate(self._gpus)))
+        except BackendError as e:
+            raise UpdateFailed(f"{e}; nothing transferred") from None
+        opts = plan_options(self.bucket_bytes, u.backend)
+        try:
+            subset = select_tensors(u.dst, patterns)
+        except LayoutError as e:
+            raise UpdateFailed(str(e)) from None
+        u.names = sorted(subset) if subset is not None else []
+        try:
+            u.plan = await asyncio.get_running_loop().run_in_executor(None, self.plans.plan, u.src, u.dst, opts, subset)
+        except LayoutError as e:
+            raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
+        self.progress_total = u.plan.total_bytes
+
+    async def _connect(self, u: "_Attempt") -> None:
+        """The data-plane session (reused while membership is unchanged), BeginUpdate on inference,
+        Prepare on every trainer worker; ends when every trainer rank joined the session and reached
+        its peers (which needs the inference ranks too), so that TRANSFER times the rounds alone."""
+        d, backend = u.d, u.backend
+        # Inference membership too: a worker restarted there must not be handed a session its
+        # peers cached with the dead process.
+        gpus = ([w.hello.device_uuid for w in self.hub.alive()] + list(self._gpus)
+                if backend == "hybrid" else [])  # each session rank's GPU: hosts and guests follow from it
+        key_of = (u.dst_fp, self._membership, u.src_fp, self.hub.generation, backend, tuple(gpus))
+        if d.session is None or d.session[1] != key_of:
+            sid, nccl_id = uuid.uuid4().hex[:12], b""
+            key = secrets.token_hex(16)  # the session's keys in the store live under it: never logged
+            if backend in ("nccl", "hybrid"):  # a fresh id per session (so per retry): trainer worker 0 hosts its root
+                rep = await self.hub.call(self.hub.workers[0], self.deadlines.rpc_s, nccl_unique_id=wpb.NcclUniqueId(session=sid))
+                nccl_id = rep.nccl_unique_id
+            d.session = (sid, key_of, nccl_id, key)
+        d.backend = backend
+        session = pb.Session(id=d.session[0], store_host=self.store_host, store_port=self.store.port,
+                             src_world=u.src.world, dst_world=u.dst.world, transport=backend, nccl_unique_id=d.session[2],
+                             key=d.session[3], device_uuids=gpus)
+        begin = pb.BeginUpdateRequest(
+            update_id=u.uid, version=u.version, plan_digest=u.plan.digest, session=session,
+            timeout_s=u.deadline - time.monotonic(), mode=self.method, bucket_bytes=self.bucket_bytes, tensors=u.names,
+            epoch=d.epoch, allow_rollback=self.allow_rollback, src_fingerprint=u.src_fp)
+        await self._begin_update(d, begin, u.src_bytes, u.deadline)
+        u.began = True
+        prep = wpb.Prepare(update_id=u.uid, version=u.version, plan_digest=u.plan.digest, session=session,
+                           timeout_s=u.deadline - time.monotonic(), mode=self.method, bucket_bytes=self.bucket_bytes,
+                           tensors=u.names, src_fingerprint=u.src_fp, dst_fingerprint=u.dst_fp)
+        # A cold prepare plans (seconds at scale): it has the update's deadline, and fails at once
+        # if a worker goes silent.
+        await self.hub.prepare_all(max(self.deadlines.rpc_s, u.deadline - time.monotonic()), prep,
+                                   {u.src_fp: u.src_bytes, u.dst_fp: u.dst_bytes})
+        await self._await_ranks(d, u.uid, u.deadline, lambda: len(self._connected | set(self._done)) >= self.hub.world,
+                                "while connecting")
+
+    async def _verify_and_commit(self, u: "_Attempt") -> pb.FinishUpdateReply:
+        """The sources' checksums to inference, which verifies and commits on all its ranks or none."""
+        u.record.transfer_seconds = time.monotonic() - u.entered
+        reports = [td.checksums for td in self._done.values() if td.HasField("checksums")]
+        values = await asyncio.get_running_loop().run_in_executor(None, verify.merge_reports, u.plan, reports)
+        req = pb.FinishUpdateRequest(update_id=u.uid, expected=verify.dense(u.plan, values))
+        self.hub.meter.add("FinishUpdateRequest", req)
+        u.began = False  # from here inference owns the outcome: it commits on every rank or aborts itself
+        return await self._finish_update(u.d, req, u.deadline)
+
+    def _committed(self, u: "_Attempt", rep: pb.FinishUpdateReply) -> pb.UpdateOutcome:
+        d, record = u.d, u.record
+        self.phase = d.phase = Phase.DONE
+        d.committed, d.repair = rep.committed, False
+        d.last_error = ""
+        record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
+        phases = record.phase_seconds
+        phases["transfer"] = record.transfer_seconds
+        phases["verify"], phases["commit"] = rep.verify_seconds, rep.commit_seconds
+        record.bytes, record.requests_during = rep.bytes, rep.requests_during
+        record.tensors = len(u.names) if u.names else len(u.dst.tensors)
+        record.seconds = time.monotonic() - u.t0
+        self.hub.meter.add("FinishUpdateReply", rep)
+        self.hub.meter.record(record)
+        log.info("update %s committed in %.2fs (%s, %d bytes)", _v(u.version), record.seconds, self.method, rep.bytes)
+        self.history.append(record)
+        return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
+
+    async def _failed(self, u: "_Attempt", e: Exception) -> pb.UpdateOutcome:
+        """ABORT: every trainer worker and inference are told (inference even when the update never
+        began there: ranks waiting to serve this version stop waiting), the session is dropped."""
+        d, version = u.d, u.version
+        if isinstance(e, (UpdateFailed, WorkerError, LayoutError)):
+            msg = str(e)
+        else:
+            log.error("update %s: internal error", _v(version), exc_info=e)
+            msg = f"internal error: {type(e).__name__}: {e}"
+        self.phase = d.phase = Phase.ABORT
+        self.last_error = f"update {_v(version)}: {msg}" if len(self.deployments) == 1 else f"update {_v(version)} on {d.address}: {msg}"
+        d.last_error = msg
+        log.error("update %s failed: %s", _v(version), msg)
+        self.hub.send_all(abort=wpb.Abort(update_id=u.uid, reason=msg))
+        d.session, d.repair = None, False
+        try:
+            await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=u.uid, reason=msg, version=version),
+                                     timeout=self.deadlines.rpc_s)
+        except grpc.aio.AioRpcError as e2:
+            if u.began:
+                log.warning("abort on inference failed: %s", status_error(e2))
+        u.record.ok, u.record.error, u.record.seconds = False, msg, time.monotonic() - u.t0
+        self.hub.meter.record(u.record)
+        self.history.append(u.record)
+        return pb.UpdateOutcome(ok=False, error=msg, record=u.record)
+
+
+@dataclasses.dataclass(slots=True)
+class _Attempt:
+    """One update of one deployment, as it goes through its phases."""
+
+    d: Deployment
+    version: pb.Version
+    uid: str
+    t0: float
+    deadline: float
+    record: pb.UpdateRecord
+    phase: Phase | None = None
+    entered: float = 0.0  # when the current phase began
+    began: bool = False  # BeginUpdate succeeded on inference (and FinishUpdate not yet sent)
+    src: Layout | None = None
+    src_fp: str = ""
+    src_bytes: bytes = b""
+    dst: Layout | None = None
+    dst_fp: str = ""
+    dst_bytes: bytes = b""
+    backend: str = ""
+    names: list[str] = dataclasses.field(default_factory=list)
+    plan: object = None
 
 async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",

@@ -44,13 +44,15 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from reshard.common.control.phases import Phase
+
 if TYPE_CHECKING:
     from reshard.common.control.hub import WorkerHub
 
 log = logging.getLogger("reshard.faults")
 
 ROLES = ("trainer", "inference", "trainer-worker", "inference-worker")
-PHASES = ("NEGOTIATE", "CONNECT", "TRANSFER", "VERIFY", "COMMIT")
+PHASES = tuple(p.value for p in (Phase.NEGOTIATE, Phase.CONNECT, Phase.TRANSFER, Phase.VERIFY, Phase.COMMIT))
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 BY_CONTROLLER = {("trainer-worker", "NEGOTIATE"), ("trainer-worker", "VERIFY"), ("inference-worker", "NEGOTIATE")}
 """Worker cells struck by the worker's controller: the worker has no step of its own there."""

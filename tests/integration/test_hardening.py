@@ -495,7 +495,10 @@ def test_the_controller_takes_the_staging_its_workers_report():
             assert w.wait_connected(60)
         handles = [w.publish(1) for w in trs]
         assert all(h.wait_outcome(60) is True for h in handles), [h.error for h in handles]
-        assert json.loads(cli("status", "--inference", svc.inf, "--json", check=True).stdout)["serving_state"] == "SERVING"
+        t0 = time.monotonic()
+        while json.loads(cli("status", "--inference", svc.inf, "--json", check=True).stdout)["serving_state"] != "SERVING":
+            assert time.monotonic() - t0 < 30, "the deployment never served step 1"
+            time.sleep(0.2)
         trs[0].fault = {"slow_after": 0, "slow_seconds": 30.0, "once": 1}  # step 2 stalls past the deadline
         for r, w in enumerate(trs):
             fill(src, r, w.live, canonical(2))
