@@ -52,6 +52,12 @@ class ControlMeter:
 
 _UNMETERED = ("heartbeat", "piece")  # not part of an update: liveness, and dumps
 
+# Commands queued for one worker's stream at most. A worker reads them as they come (a handful per
+# update); one that stops reading (frozen, or its process stalled) while commands keep coming is
+# dropped when this many wait: its stream is cancelled, the queue emptied, its pending calls fail, and
+# the worker, when it runs again, finds its stream gone and aborts what it had in flight.
+QUEUE_LIMIT = 256
+
 
 class WorkerError(RuntimeError):
     """A worker answered a command with an error, died, or did not answer in time."""
@@ -226,6 +232,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         if not conn.alive:
             return
         conn.alive = False
+        while not conn.queue.empty():  # nothing queued reaches a stream that ends
+            conn.queue.get_nowait()
         conn.queue.put_nowait(None)
         (log.info if self.stopping else log.warning)("%s worker rank %d (pid %d) lost: %s", self.role, conn.rank, conn.pid, why)
         for fut in conn.pending.values():
@@ -332,6 +340,15 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         kind = msg.WhichOneof("command")
         if kind != "read":
             self.meter.add(f"controller:{kind}", msg)
+        self._queue(conn, msg)
+
+    def _queue(self, conn: WorkerConn, msg: wpb.ControllerMessage) -> None:
+        """Queue a command on the worker's stream; a worker that left QUEUE_LIMIT unread is dropped."""
+        if not conn.alive:
+            return
+        if conn.queue.qsize() >= QUEUE_LIMIT:
+            self._drop(conn, f"it stopped reading its stream ({QUEUE_LIMIT} commands unread)")
+            return
         conn.queue.put_nowait(msg)
 
     async def call_all(self, timeout: float, each: Callable[[WorkerConn], dict] | None = None, **command) -> list[wpb.Reply]:
@@ -385,7 +402,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         cid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         conn.pending[cid] = fut
-        conn.queue.put_nowait(wpb.ControllerMessage(id=cid, read=wpb.Read(tensor=tensor, offset=offset, size=size)))
+        self._queue(conn, wpb.ControllerMessage(id=cid, read=wpb.Read(tensor=tensor, offset=offset, size=size)))
 
         def drop(f: asyncio.Future) -> None:  # the reply ends the pieces: drop any that came for nobody
             conn.pieces.pop(cid, None)

@@ -39,6 +39,35 @@ from reshard.proto import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger("reshard.worker")
 
+# Reconnecting to a lost controller: the first try at once plus this, doubling up to the cap (a
+# restarted controller is back within about a second; the worker's own attempts add at most 0.5 s).
+RECONNECT_MIN_S, RECONNECT_MAX_S = 0.1, 0.5
+# Messages queued for the controller, besides publishes, before the worker gives its stream up as
+# unread (a frozen controller, say): heartbeats and byte counts are merged while they wait, so only
+# replies, transfer reports and read-back pieces count, and a controller that reads never comes near.
+OUT_LIMIT = 1024
+ABORTED_KEPT = 256  # the ids of the last aborted updates (an abort may come before its update's prepare)
+
+
+class RecentIds:
+    """A set of the last `size` ids added: the oldest is forgotten first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._ids[key] = None
+        self._ids.move_to_end(key)
+        while len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
 
 class SharedCache:
     """A small process-wide LRU whose values are built once, even when several workers of one
@@ -142,10 +171,13 @@ class WorkerBase:
         self._sessions: dict[str, Transport] = {}  # one per attached deployment
         self._update_session: dict[str, str] = {}
         self._dp = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{self.role}{rank}-dp")
-        self._aborted: set[str] = set()
+        self._aborted = RecentIds(ABORTED_KEPT)
         self._current: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._out: asyncio.Queue | None = None
+        self._queued_heartbeat: wpb.WorkerMessage | None = None  # one waiting in _out: a newer one updates it
+        self._queued_progress: dict[str, wpb.WorkerMessage] = {}  # update id -> its byte count waiting in _out
+        self._shedding = ""  # why the stream is being given up (its controller stopped reading it)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._call = None
@@ -215,22 +247,28 @@ class WorkerBase:
 
     async def _main(self) -> None:
         with self._emit_lock:
-            self._out = asyncio.Queue()  # survives reconnects: nothing queued is lost
+            self._out = asyncio.Queue()  # survives reconnects: what is queued waits for the next stream
             for m in self._early:
-                self._out.put_nowait(m)
+                self._enqueue(m)
             self._early.clear()
-        backoff = 0.2
+        backoff = RECONNECT_MIN_S
+        warned = False  # this outage was logged: its further failed attempts go to the debug log
         while not self._stopping:
             try:
                 await self._serve_stream()
-                backoff = 0.2
             except asyncio.CancelledError:
                 if self._stopping:
                     break
-                raise
+                if not self._shedding:
+                    raise
+                log.warning("%s worker %d: %s; reconnecting", self.role, self.rank, self._shedding)
             except (grpc.aio.AioRpcError, OSError) as e:
                 if self._stopping:
                     break
+                if self._connected.is_set():
+                    warned = False  # the stream had been accepted: a new outage begins
+                level = logging.DEBUG if warned else logging.WARNING
+                warned = True
                 code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     # Another worker holds this rank there (an orphan that came too late, a second replica
@@ -241,12 +279,15 @@ class WorkerBase:
                         self._refusal_logged = True
                         log.error("%s worker %d: %s", self.role, self.rank, self.last_error)
                 elif code == grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("%s worker %d: %s serves no worker protocol: point the worker at the controller's worker "
-                                "listener (--worker-listen; printed when it starts and in `reshard status`); retrying",
-                                self.role, self.rank, self.controller)
+                    log.log(level, "%s worker %d: %s serves no worker protocol: point the worker at the controller's "
+                            "worker listener (--worker-listen; printed when it starts and in `reshard status`); retrying",
+                            self.role, self.rank, self.controller)
                 else:
-                    log.warning("%s worker %d: controller %s unreachable (%s); retrying", self.role, self.rank,
-                                self.controller, e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+                    log.log(level, "%s worker %d: controller %s unreachable (%s); retrying", self.role, self.rank,
+                            self.controller, e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+            self._shedding = ""
+            if self._connected.is_set():
+                backoff = RECONNECT_MIN_S  # it had been accepted: the controller went away just now
             self._connected.clear()
             if self._stopping:
                 break
@@ -255,7 +296,7 @@ class WorkerBase:
             # the data-plane thread is free for the next controller's first update.
             self._abort_in_flight(f"the connection to controller {self.controller} was lost")
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, RECONNECT_MAX_S)
 
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
@@ -272,6 +313,10 @@ class WorkerBase:
                 m = await self._out.get()
                 if m is None:
                     return
+                if m is self._queued_heartbeat:
+                    self._queued_heartbeat = None
+                elif m.WhichOneof("kind") == "progress" and self._queued_progress.get(m.progress.update_id) is m:
+                    del self._queued_progress[m.progress.update_id]
                 yield m
 
         async with self.security.channel(self.controller, CHANNEL_OPTIONS) as ch:
@@ -318,12 +363,53 @@ class WorkerBase:
                 self._early.append(msg)
                 return
         if threading.current_thread() is self._thread:
-            out.put_nowait(msg)
+            self._enqueue(msg)
         else:
             try:
-                loop.call_soon_threadsafe(out.put_nowait, msg)
+                loop.call_soon_threadsafe(self._enqueue, msg)
             except RuntimeError:  # the loop closed: the worker stopped
                 raise RuntimeError(f"{self.role} worker {self.rank} is stopped") from None
+
+    def _enqueue(self, msg: wpb.WorkerMessage) -> None:
+        """On the worker's loop: queue a message for the controller. A heartbeat, or a transfer's byte
+        count, that still waits in the queue is brought up to date instead of queued again: a
+        controller that stops reading (frozen) does not make the queue grow with time. Anything else
+        (replies, transfer reports, read-back pieces) is never dropped while the stream lives: past
+        OUT_LIMIT of them, the stream is given up (its controller sees this worker gone and fails
+        what it waits for; the worker aborts what that controller started) and only publishes are
+        kept for the next stream."""
+        kind = msg.WhichOneof("kind")
+        if kind == "heartbeat" and self._queued_heartbeat is not None:
+            self._queued_heartbeat.CopyFrom(msg)
+            return
+        if kind == "progress" and not msg.progress.connected:
+            queued = self._queued_progress.get(msg.progress.update_id)
+            if queued is not None:
+                queued.CopyFrom(msg)
+                return
+        if kind != "published" and self._out.qsize() >= OUT_LIMIT:
+            self._shed(f"controller {self.controller} did not read its last {OUT_LIMIT} messages")
+            return
+        if kind == "heartbeat":
+            self._queued_heartbeat = msg
+        elif kind == "progress" and not msg.progress.connected:
+            self._queued_progress[msg.progress.update_id] = msg
+        self._out.put_nowait(msg)
+
+    def _shed(self, why: str) -> None:
+        """Give the stream up: what it queued goes with it, but publishes (and a stop) wait for the next."""
+        kept = []
+        while not self._out.empty():
+            m = self._out.get_nowait()
+            if m is None or m.WhichOneof("kind") == "published":
+                kept.append(m)
+        for m in kept:
+            self._out.put_nowait(m)
+        self._queued_heartbeat = None
+        self._queued_progress.clear()
+        if self._call is not None and not self._call.done() and not self._shedding:
+            self._shedding = why
+            self._call.cancel()
 
     # -- commands ------------------------------------------------------------------------
     async def _handle(self, cmd: wpb.ControllerMessage) -> None:

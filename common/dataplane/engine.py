@@ -192,6 +192,7 @@ class Engine:
         self.checksum_seconds += time.perf_counter() - t0
 
     def run(self) -> dict[PieceKey, int]:
+        self.t.set_deadline(self.deadline)  # a session reused by this update waits by its deadline
         with self.t.copy_context():  # the transport's copy stream, where it has one
             return self._run()
 

@@ -155,6 +155,10 @@ class HybridTransport(Transport):
     def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
         return self._net().recv(buf, self.placement.comm[peer], tag)
 
+    def set_deadline(self, deadline: float) -> None:
+        if self.net is not None:
+            self.net.set_deadline(deadline)
+
     def flush(self) -> None:
         self._net().flush()
 

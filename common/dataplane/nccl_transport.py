@@ -8,6 +8,10 @@ Never hanging: the communicator is created non-blocking (`ncclCommInitRankConfig
 `blocking=0`) and every wait polls `ncclCommGetAsyncError` against a deadline; on an
 error or when the deadline passes the communicator is aborted (`ncclCommAbort`), so a
 peer that never joins, dies or freezes fails the update instead of hanging a survivor.
+The deadline is always the current update's (a session is reused by later updates): a
+caller's timeout, or what the engine gave `set_deadline()` for the waits the transport
+makes by itself (a group still connecting before the next launch; the copy stream at the
+end of an engine's run, polled through an event rather than synchronized).
 Every call here blocks or polls, so it runs on the worker's data-plane thread, never
 on its event loop. The one exception is `abort()`, made from another thread when the
 controller aborts the update: it takes the lock that every use of the communicator
@@ -57,6 +61,7 @@ from reshard.common.dataplane.transport import Transport, TransportError, Work
 log = logging.getLogger("reshard.nccl")
 
 CLOSE_TIMEOUT_S = 10.0
+DRAIN_AFTER_ABORT_S = 0.5  # the most an engine that failed waits for its copy stream (past the deadline: not at all)
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 2e-3
 
 
@@ -154,6 +159,7 @@ class NcclTransport(Transport):
         self._subs: dict[tuple[int, ...], object] = {}  # broadcast members -> split communicator's handle box (None: not a member)
         self._star_logged = False
         self.abort_seconds: float | None = None
+        self._deadline = time.monotonic() + timeout_s  # the current update's (set_deadline); first the joining one's
         cuda.set_device()  # this (data-plane) thread's device
         try:
             self.lib = library or load_library()
@@ -243,12 +249,16 @@ class NcclTransport(Transport):
         self.connection_bytes = max(self.connection_bytes, self._free0 - free - grown)
 
     # -- the Transport interface -----------------------------------------------------------
+    def set_deadline(self, deadline: float) -> None:
+        self._deadline = deadline
+
     @contextlib.contextmanager
     def copy_context(self):
         """The engine's copies run on the copy stream: it first waits for what the calling thread's
-        stream queued, and before leaving, the last unpack has landed (verification reads next).
-        Left by an error while a group may still run, the session is aborted first: the copy stream
-        may wait for that group, and a peer that stopped posting would never complete it."""
+        stream queued, and before leaving, the last unpack has landed (verification reads next),
+        by the current update's deadline. Left by an error while a group may still run, the session
+        is aborted first: the copy stream may wait for that group, and a peer that stopped posting
+        would never complete it."""
         self.copy_stream.wait_stream(self._cuda.current_stream())
         try:
             with self._cuda.use_stream(self.copy_stream):
@@ -257,9 +267,28 @@ class NcclTransport(Transport):
             last = self._last
             if self._comm is not None and last is not None and not last.done:
                 self._abort(f"the data plane stopped with NCCL work in flight: {e}")
+            try:  # aborted, its kernels have stopped: what waited for them runs at once
+                self._copies_landed(min(self._deadline, time.monotonic() + DRAIN_AFTER_ABORT_S))
+            except TransportError as late:
+                log.warning("nccl session %s, rank %d: %s", self.session, self.rank, late)
             raise
-        finally:
-            self.copy_stream.synchronize()
+        self._copies_landed(self._deadline)
+
+    def _copies_landed(self, deadline: float) -> None:
+        """Wait on the host, until `deadline`, for what the copy stream queued (an event polled: a
+        stream synchronization has no timeout, and the copies may wait for a group whose peer
+        froze); past it the session is aborted."""
+        done = self._cuda.event()
+        done.record(self.copy_stream)
+        delay, timeout_s = _POLL_MIN_S, max(0.0, deadline - time.monotonic())
+        while not done.query():
+            if time.monotonic() >= deadline:
+                msg = (f"NCCL session {self.session}: the copy stream was not done within the update's deadline "
+                       f"({timeout_s:.1f}s left when the engine finished); the communicator was aborted")
+                self._abort(msg)
+                raise TransportError(msg)
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
 
     def _after_producer(self) -> None:
         """The comm stream waits for what the current stream (the copies) has queued so far."""
@@ -289,7 +318,7 @@ class NcclTransport(Transport):
         """Before a launch: NCCL takes no new call on a communicator while the last one is in progress."""
         last = self._last
         if last is not None and last.event is None:
-            self._on_stream(last, time.monotonic() + self.timeout_s, self.timeout_s, "a group still connecting")
+            self._on_stream(last, self._deadline, max(0.0, self._deadline - time.monotonic()), "a group still connecting")
         self._after_producer()
 
     def _post(self, kind: str, buf: torch.Tensor, peer: int, tag: int) -> _Group:
@@ -365,6 +394,7 @@ class NcclTransport(Transport):
     def warm_up(self, sends_to: set[int], recvs_from: set[int], timeout_s: float) -> None:
         """One group of 1-byte sends and receives with each pair no group has used yet, waited on with
         the deadline: connecting belongs to joining the session, not to the first round's transfer."""
+        self._deadline = time.monotonic() + timeout_s
         pairs = [(kind, p) for kind, peers in (("send", sends_to), ("recv", recvs_from)) for p in sorted(peers)
                  if (kind, p) not in self._connected]
         if not pairs:
@@ -378,7 +408,7 @@ class NcclTransport(Transport):
     def prepare_broadcast(self, groups: list[tuple[int, ...]], timeout_s: float) -> None:
         """Split a communicator off for each group of members (every rank takes part in each split:
         a non-member with NCCL_SPLIT_NOCOLOR), then connect it with a 1-byte broadcast."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self._deadline = time.monotonic() + timeout_s
         for members in groups:
             if len(members) < 2 or members in self._subs or sorted(members) == list(range(self.world)):
                 continue  # nothing to move, made already, or the session's own communicator

@@ -13,8 +13,14 @@ stream: the engine then queues rounds back to back, orders its copies after post
 work with `Work.device_wait()` (a wait of the copy stream, not of the host) and waits
 on the host only to bound how far it runs ahead and at the end. Gloo is not: the engine
 waits on the host for each round. `warm_up` connects to a plan's peers before the first
-round, and `prepare_broadcast` makes the broadcast groups every rank will use; both are
-no-ops where connections are made with the group (gloo).
+round (a no-op where connections are made with the group: gloo), and `prepare_broadcast`
+makes the broadcast groups every rank will use.
+
+A session outlives the update that opened it (it is reused while membership is unchanged):
+every wait runs against the deadline of the update running now, never the opening one's.
+Waits take their timeout from the caller; what a transport waits for by itself (NCCL: a
+group still connecting, the copy stream at the end) ends at the deadline the engine gives
+`set_deadline()` as it starts.
 
 `abort(reason)` may be called from any thread (the worker's control loop, when the
 controller aborts an update): whatever the data-plane thread is blocked on (joining
@@ -100,6 +106,10 @@ class Transport(abc.ABC):
         """From any thread: fail what is blocked now and every later call with `TransportError(reason)`."""
         self.aborted = self.aborted or reason
 
+    def set_deadline(self, deadline: float) -> None:
+        """The deadline (time.monotonic()) of the update that uses the session now: what the transport
+        waits for without a timeout from its caller ends there."""
+
     def flush(self) -> None:
         """Start whatever was posted and not started yet (one round's sends and receives)."""
 
@@ -122,8 +132,9 @@ class Transport(abc.ABC):
         raise NotImplementedError(f"transport {self.name} has no broadcast")
 
     def prepare_broadcast(self, groups: list[tuple[int, ...]], timeout_s: float) -> None:
-        """Make what `broadcast` needs for each group of members. Collective: every rank of the
-        session calls it, members or not, with the same groups in the same order."""
+        """Make what `broadcast` needs for each group of members, within `timeout_s` (the current
+        update's). Collective: every rank of the session calls it, members or not, with the same
+        groups in the same order, in every update that broadcasts."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -144,6 +155,35 @@ def _break(pg) -> None:
             datetime.timedelta(milliseconds=1))
     except RuntimeError:
         pass  # the expected timeout, or a group that was broken already
+
+
+def _gloo_group(store, prefix: str, rank: int, size: int, timeout_s: float):
+    """A gloo group of `size` under `prefix` in the session's store (every member calls this; it waits
+    there for all of them, at most `timeout_s`), whose rendezvous keys are then taken out of the store:
+    the store is the trainer controller's, which outlives every session. Gloo puts one key per
+    member (`PREFIX/0/RANK`: its one device's addresses); each member reads every other's before its
+    group is made, so the last member to count itself done deletes them all. A member whose
+    rendezvous fails deletes them too: the group can no longer form (a member that comes later puts
+    its key back and deletes it when it fails in turn)."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    keys = [f"{prefix}/0/{r}" for r in range(size)] + [f"{prefix}/done"]
+    last = False
+    try:
+        pg = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=max(0.001, timeout_s)))
+        last = store.add(keys[-1], 1) == size
+    except RuntimeError:
+        last = True
+        raise
+    finally:
+        if last:
+            for k in keys:
+                try:
+                    store.delete_key(k)
+                except RuntimeError:  # the store went away: nothing left to clean
+                    break
+    return pg
 
 
 class _GlooWork(Work):
@@ -171,48 +211,73 @@ class GlooTransport(Transport):
         # control plane): a process that reaches the store without it can neither join nor disturb.
         self._prefix, self._key = f"reshard/{key or session}", key
         self._groups: dict[tuple[int, ...], object] = {}
-        self._timeout = datetime.timedelta(seconds=timeout_s)
         self._store = self._pg = None
         self._lock = threading.Lock()  # orders abort() (any thread) against groups being made
-        self._joined = threading.Event()  # the rendezvous ended, or abort() was called
+        self._waiting: set[threading.Event] = set()  # rendezvous waited on now: abort() sets them
         if on_connecting is not None:
             on_connecting(self)
             if self.aborted:
                 raise TransportError(self.aborted)
         t0 = time.monotonic()
-        # The rendezvous waits on the store for every peer: it runs on a thread of its own, so that
-        # abort() can release this one (the other ends at the store's timeout and drops what it made).
-        failed: list[RuntimeError] = []
-        threading.Thread(target=self._join, args=(store_host, store_port, failed), daemon=True,
-                         name=f"reshard-gloo-join-{session}-{rank}").start()
-        self._joined.wait()
-        if self.aborted:
-            raise TransportError(self.aborted)
-        if failed:
+
+        def join():
+            from torch.distributed import TCPStore
+
+            store = TCPStore(store_host, store_port, world_size=None, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+            return store, _gloo_group(store, self._prefix, rank, world, timeout_s)
+
+        def keep(made) -> None:
+            self._store, self._pg = made
+
+        try:
+            self._rendezvous(join, keep, lambda made: made[1], f"gloo-join-{session}-{rank}")
+        except TransportError:
+            raise
+        except RuntimeError as e:
             raise TransportError(
                 f"gloo rendezvous for session {session} (rank {rank} of {world}) at {store_host}:{store_port} "
-                f"failed after {time.monotonic() - t0:.1f}s: {self._redact(str(failed[0]).splitlines()[0])}"
+                f"failed after {time.monotonic() - t0:.1f}s: {self._redact(str(e).splitlines()[0])}"
             ) from None
         log.debug("gloo session %s: rank %d/%d connected in %.2fs", session, rank, world, time.monotonic() - t0)
 
-    def _join(self, store_host: str, store_port: int, failed: list[RuntimeError]) -> None:
-        from torch.distributed import PrefixStore, TCPStore
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
+    def _rendezvous(self, make: Callable[[], object], keep: Callable[[object], None], group: Callable[[object], object],
+                    name: str) -> None:
+        """`make()` waits on the store for every peer (a gloo group's rendezvous), so it runs on a thread
+        of its own, and abort() releases this one at once; the thread ends at the rendezvous' own
+        timeout, and breaks what it made after an abort. `keep(made)` runs under the lock unless
+        aborted; `group(made)` is the group to break then. Raises what `make` raised."""
+        done = threading.Event()
+        failed: list[RuntimeError] = []
 
+        def run() -> None:
+            try:
+                made = make()
+                with self._lock:
+                    late = bool(self.aborted)
+                    if not late:
+                        keep(made)
+                if late:
+                    _break(group(made))
+            except RuntimeError as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        with self._lock:
+            if self.aborted:
+                raise TransportError(self.aborted)
+            self._waiting.add(done)
         try:
-            store = TCPStore(store_host, store_port, world_size=None, is_master=False, timeout=self._timeout,
-                             wait_for_workers=False)
-            pg = ProcessGroupGloo(PrefixStore(self._prefix, store), self.rank, self.world, self._timeout)
-            with self._lock:
-                late = bool(self.aborted)
-                if not late:
-                    self._store, self._pg = store, pg
-            if late:
-                _break(pg)
-        except RuntimeError as e:
-            failed.append(e)
+            threading.Thread(target=run, daemon=True, name=f"reshard-{name}").start()
+            done.wait()
         finally:
-            self._joined.set()
+            with self._lock:
+                self._waiting.discard(done)
+        if self.aborted:
+            raise TransportError(self.aborted)
+        if failed:
+            raise failed[0]
 
     def abort(self, reason: str) -> None:
         with self._lock:
@@ -220,7 +285,9 @@ class GlooTransport(Transport):
                 return
             self.aborted = reason
             groups = [pg for pg in (self._pg, *self._groups.values()) if pg is not None]
-        self._joined.set()
+            waiting = list(self._waiting)
+        for done in waiting:
+            done.set()
         t0 = time.monotonic()
         for pg in groups:
             _break(pg)
@@ -251,28 +318,44 @@ class GlooTransport(Transport):
     def recv(self, buf: torch.Tensor, peer: int, tag: int) -> Work:
         return self._post("recv", buf, peer, tag, f"receive from rank {peer} (tag {tag})")
 
+    def prepare_broadcast(self, groups: list[tuple[int, ...]], timeout_s: float) -> None:
+        """A gloo group of its own for each group this rank is a member of, made in the given order
+        (every member makes them in the same order) on a side thread that abort() releases; a group
+        made in an earlier update of the session is kept, and given this update's timeout."""
+        deadline = time.monotonic() + timeout_s
+        for members in groups:
+            if self.rank not in members or len(members) < 2:
+                continue
+            left = deadline - time.monotonic()
+            pg = self._groups.get(members)
+            if pg is not None:
+                pg.set_timeout(datetime.timedelta(seconds=max(0.001, left)))  # a collective's own timeout
+                continue
+            name = "-".join(map(str, members))
+            store = self._store
+            if store is None:
+                raise TransportError(self.aborted or f"gloo session {self.session} is closed")
+
+            def keep(pg, members=members) -> None:
+                self._groups[members] = pg
+
+            try:
+                self._rendezvous(lambda: _gloo_group(store, f"{self._prefix}/group/{name}", members.index(self.rank),
+                                                     len(members), left),
+                                 keep, lambda pg: pg, f"gloo-group-{self.session}-{name}")
+            except RuntimeError as e:
+                raise self._error(f"rendezvous of the group {name} (within {timeout_s:.1f}s)", e) from None
+
     def broadcast(self, buf: torch.Tensor, members: tuple[int, ...]) -> Work:
-        from torch.distributed import BroadcastOptions, PrefixStore
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
+        from torch.distributed import BroadcastOptions
 
         what = f"broadcast from rank {members[0]}"
         if self.aborted:
             raise TransportError(self.aborted)
         pg = self._groups.get(members)
         if pg is None:
-            name = "-".join(map(str, members))
-            try:
-                pg = ProcessGroupGloo(PrefixStore(f"{self._prefix}/group/{name}", self._store),
-                                      members.index(self.rank), len(members), self._timeout)
-            except RuntimeError as e:
-                raise self._error(f"rendezvous of the group {name}", e) from e
-            with self._lock:
-                late = bool(self.aborted)
-                if not late:
-                    self._groups[members] = pg
-            if late:
-                _break(pg)
-                raise TransportError(self.aborted)
+            raise TransportError(f"gloo {what} to ranks {list(members)}: no group for them "
+                                 "(every rank must call prepare_broadcast with this group first)")
         opts = BroadcastOptions()
         opts.rootRank = 0
         try:

@@ -203,3 +203,48 @@ def test_a_session_is_joined_only_under_its_secret(store):
     assert len(joined) == 1
     for t in (joined[0], second):
         t.close()
+
+
+def _three(store, session: str, timeout_s: float) -> list[GlooTransport]:
+    out: list = [None] * 3
+
+    def join(r: int) -> None:
+        out[r] = GlooTransport("127.0.0.1", store.port, session, r, 3, timeout_s)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(out), "the gloo session did not connect"
+    return out
+
+
+def test_gloo_abort_releases_a_broadcast_groups_rendezvous(store):
+    """A broadcast group is made on a side thread, as the session's rendezvous is: an abort releases
+    a rank waiting there for a member that never comes at once, not at the session's timeout (issue
+    28, item 24: aborted 0.5 s in, it was released after the 8 s update deadline)."""
+    ranks = _three(store, "s6", 20.0)
+    aborter = threading.Timer(0.3, ranks[0].abort, args=("update u6 aborted: inference worker 1 died",))
+    aborter.start()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="^update u6 aborted: inference worker 1 died$"):
+        ranks[0].prepare_broadcast([(0, 1, 2)], 20.0)  # ranks 1 and 2 never make it
+        ranks[0].broadcast(torch.zeros(4, dtype=torch.uint8), (0, 1, 2))
+    assert time.monotonic() - t0 < 1.5
+    for t in ranks:
+        t.close()
+
+
+def test_gloo_broadcast_groups_are_made_by_the_current_updates_deadline(store):
+    """A session joined by an update with a 20 s deadline; a later update with 0.5 s left makes a
+    broadcast group whose member never comes: it fails at 0.5 s (issue 28, item 11)."""
+    ranks = _three(store, "s7", 20.0)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="rendezvous of the group 0-1-2 .*within 0.5s"):
+        ranks[0].prepare_broadcast([(0, 1, 2)], 0.5)
+        ranks[0].broadcast(torch.zeros(4, dtype=torch.uint8), (0, 1, 2))
+    assert time.monotonic() - t0 < 2.0
+    for t in ranks:
+        t.close()
+

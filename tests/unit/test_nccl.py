@@ -653,7 +653,8 @@ def test_a_round_is_one_group_in_matching_order():
         w.wait(1.0)
     with t.copy_context():
         assert t.copy_stream.waits == 1  # the copies wait for what the caller's stream queued
-    assert t.copy_stream.syncs == 1  # and have landed when the engine returns
+    # and have landed when the engine returns: an event after them, polled (never a synchronize)
+    assert cuda.log[-2:] == [("record", "copy", cuda.events), ("query", cuda.events)] and t.copy_stream.syncs == 0
 
 
 def test_wait_flushes_what_was_posted():
@@ -970,7 +971,7 @@ def test_stream_ordered_engine_queues_rounds_and_waits_on_the_device(monkeypatch
         assert groups[k + 1] < log.index(("query", ev))
     for k, ev in enumerate(events[:-2]):  # round k+2 packs into round k's half after the copy stream waits for round k
         assert groups[k] < log.index(("wait", "copy", ev)) < log.index(("pack", rounds[k + 2]))
-    assert t.copy_stream.syncs == 1
+    assert log[-2][:2] == ("record", "copy") and log[-1] == ("query", log[-2][2])  # the copies landed, by the deadline
 
     # The same plan over the loopback (host waits, host checksums): the same sender sums.
     assert sums == Engine(Loopback(0, {}), plan, "src", 0, full, shapes, StagingPool(), deadline).run()
@@ -1219,3 +1220,47 @@ def test_ipc_session_steps_move_every_piece_and_sum_alike(monkeypatch):
     for side, r, bufs in ranks[S:]:
         assert_canonical(dst, r, bufs, shapes, 9)
     assert sum(results[("dst", r)][1] for r in range(dst.world)) == plan.total_bytes
+
+
+class _CopyStreamStuck(FakeCuda):
+    """The copy stream never finishes (an unpack waits for a group whose peer froze): its
+    synchronize blocks for 30 s, events recorded on it never complete; the comm stream's do."""
+
+    def stream(self):
+        s = super().stream()
+        if s.name == "copy":
+            s.synchronize = lambda: time.sleep(30)
+        return s
+
+    def event(self):
+        ev = FakeEvent(self)
+        query = ev.query
+        ev.query = lambda: query() and ev.stream.name != "copy"
+        return ev
+
+
+def test_a_reused_session_waits_by_the_current_updates_deadline():
+    """A session joined by an update with a 20 s deadline, reused by one with 0.3 s left (issue 28,
+    item 11): the engine's last wait, for its copy stream, and a group still connecting before the
+    next launch end at the current update's deadline and abort the session; neither waits out the
+    joining update's deadline nor blocks for good."""
+    from reshard.common.dataplane.engine import Engine
+
+    plan, _, full, shapes = _relay_scene()
+    lib, cuda = FakeNccl(), _CopyStreamStuck()
+    t = _transport(lib, cuda, rank=0, world=4, timeout=20.0)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="copy stream was not done within the update's deadline"):
+        Engine(t, plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 0.3).run()
+    assert time.monotonic() - t0 < 1.5 and lib.aborted == 1
+
+    lib = FakeNccl(group_end=7)  # ncclInProgress: the group's connections are being set up
+    t = _transport(lib, rank=0, world=4, timeout=20.0)
+    t.prepare_broadcast([(0, 1, 2, 3)], 0.3)  # the next update (the serialized baseline's first call)
+    lib.async_codes = [7]  # and they never are
+    t.send(torch.zeros(4, dtype=torch.uint8), 1, 0)
+    t.flush()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="a group still connecting .*not done within 0.3s"):
+        t.broadcast(torch.zeros(4, dtype=torch.uint8), (0, 1, 2, 3))
+    assert time.monotonic() - t0 < 1.5 and lib.aborted == 1
