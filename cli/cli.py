@@ -235,9 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-workers", type=int, default=2)
     p.add_argument("--inference-workers", type=int, default=4)
 
-    from reshard.bench import add_parser as bench_parser
+    from reshard.tools.bench import add_parser as bench_parser
     from reshard.certs import add_parser as certs_parser
-    from reshard.chaos import add_parser as chaos_parser
+    from reshard.tools.chaos import add_parser as chaos_parser
     from reshard.simulate_cmd import add_parser as simulate_parser
 
     bench_parser(sub)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run `reshard.gpu_check` from a checkout, installed or not (see cli/gpu_check.py).
+"""Run `reshard.tools.gpu_check` from a checkout, installed or not (see tools/gpu_check.py).
 
 pyproject maps the package's folders (`reshard` -> cli/, `reshard.common` -> common/, ...),
 so a plain `sys.path` entry is not enough: when this checkout's reshard is not the one
@@ -54,6 +54,6 @@ if __name__ == "__main__":
     how = map_packages()
     if "--ipc-child" not in sys.argv:
         print(f"gpu-check: reshard {how} from {REPO}", file=sys.stderr)
-    from reshard.gpu_check import main
+    from reshard.tools.gpu_check import main
 
     sys.exit(main())

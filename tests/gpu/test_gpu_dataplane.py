@@ -145,7 +145,7 @@ def test_engine_over_nccl_two_gpus(lib):
 
 
 def test_cuda_ipc_between_two_processes():
-    from reshard.gpu_check import section_ipc
+    from reshard.tools.gpu_check import section_ipc
 
     res = section_ipc(torch.device("cuda", 0))
     assert res["verified"], res["mismatches"]

@@ -9,7 +9,7 @@ commits; the weights served equal an independent regeneration bit for bit. All a
 or committed version goes backwards, and the deployment never reports SERVING while its serving
 ranks hold different versions (a monitor polls both controllers).
 
-One deployment serves the forty cells in turn (reshard.chaos.Deployment and run_cycle, the harness
+One deployment serves the forty cells in turn (reshard.tools.chaos.Deployment and run_cycle, the harness
 `reshard chaos` runs); the weights are also checked here, by the test's own means."""
 
 import time
@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from reshard.chaos import Deployment, Monitor, Settings, run_cycle
+from reshard.tools.chaos import Deployment, Monitor, Settings, run_cycle
 from reshard.common.control.faults import PHASES, Fault
 from reshard.common.models.presets import model_config
 from reshard.tools.synth import tensor_value

@@ -3,7 +3,7 @@ summary it prints (tests/integration/test_chaos.py runs it)."""
 
 import pytest
 
-from reshard.chaos import Cycle, Settings, print_table, random_faults, summarize
+from reshard.tools.chaos import Cycle, Settings, print_table, random_faults, summarize
 from reshard.cli import build_parser
 from reshard.common.control.faults import ACTIONS, PHASES, ROLES
 

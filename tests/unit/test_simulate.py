@@ -315,7 +315,7 @@ def test_overlapping_relay_phase_shares_ports():
 def test_local_profile_from_calibration_spans():
     """The bench's calibration: a rate is bytes over the span from the first rank's start to the
     last rank's end, the median over the passes after the warm one; steps are spans over 50."""
-    from reshard.bench import _PROBE_STEPS, _PROBE_STREAM_BYTES, _PROBE_STREAM_COUNT, _STEPS, _local_cluster, calibration
+    from reshard.tools.bench import _PROBE_STEPS, _PROBE_STREAM_BYTES, _PROBE_STREAM_COUNT, _STEPS, _local_cluster, calibration
 
     raw = {"ranks": 4, "latency_s": 1e-4, "copy_gbps": 5.0, "copy_op_s": 5e-6, "checksum_gbps": 2.0,
            "checksum_op_s": 1e-4, "stream_bytes": 1e9}
@@ -390,7 +390,7 @@ def test_short_runs_get_more_repeats():
     from torch.distributed import HashStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    from reshard.bench import _agree_repeats
+    from reshard.tools.bench import _agree_repeats
 
     pg = ProcessGroupGloo(HashStore(), 0, 1, datetime.timedelta(seconds=30))
     opts = {"min_seconds": 0.3, "repeats": 3, "max_repeats": 30}
