@@ -24,7 +24,7 @@ from reshard.common.control.rpc import RECONNECT_S, Deadlines, channel, clamp_ti
 from reshard.common.control.supervisor import module_command
 from reshard.common.dataplane.backend import BACKENDS, BackendError, plan_options, select_backend
 from reshard.common.dataplane.transport import serve_store
-from reshard.common.layout.core import Layout, LayoutError
+from reshard.common.layout.core import Layout, LayoutError, dtype_casts
 from reshard.common.layout.wire import layout_from_bytes
 from reshard.common.plan import verify
 from reshard.common.plan.cache import PlanCache
@@ -90,6 +90,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.allow_rollback = allow_rollback  # the operator's choice: another run, or older steps
         self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
         self.plans = PlanCache(8)  # recent plans of every deployment, by what determines them
+        self._casts_logged: set[str] = set()  # plans whose sender casts were logged
         self.deadlines, self.bucket_bytes = deadlines, bucket_bytes
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -641,6 +642,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         except LayoutError as e:
             raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
         self.progress_total = u.plan.total_bytes
+        if u.plan.digest not in self._casts_logged:
+            if len(self._casts_logged) > 64:
+                self._casts_logged.clear()
+            self._casts_logged.add(u.plan.digest)
+            casts = dtype_casts(u.src, u.dst, subset)
+            if casts:
+                log.info("the trainer holds %s: cast on the sender, the wire carries what inference serves",
+                         ", ".join(f"{n} tensors as {a} for {b}" for (a, b), n in sorted(casts.items())))
 
     async def _connect(self, u: "_Attempt") -> None:
         """The data-plane session (reused while membership is unchanged), BeginUpdate on inference,

@@ -24,6 +24,7 @@ from reshard.common.layout.values import (
     LocalBuffer,
     Piece,
     TensorSpec,
+    cast_refusal,
     contiguous_strides,
     dtype_of,
     flat_pieces,
@@ -32,7 +33,7 @@ from reshard.common.layout.values import (
 )
 
 __all__ = ["DTYPE_SIZES", "DTYPES", "Box", "Layout", "LayoutError", "LocalBuffer", "Piece", "TensorSpec", "check_compatible",
-           "contiguous_strides", "coverage_gap", "dtype_of", "flat_pieces", "flat_range_to_boxes", "itemsize", "merge_ranks",
+           "contiguous_strides", "coverage_gap", "dtype_casts", "dtype_of", "flat_pieces", "flat_range_to_boxes", "itemsize", "merge_ranks",
            "overlapping_sources"]
 
 
@@ -134,7 +135,9 @@ class Layout:
 
 
 def check_compatible(src: Layout, dst: Layout, tensors: set[str] | None = None) -> None:
-    """Raise LayoutError naming the first mismatch between the canonical tensors of a pair."""
+    """Raise LayoutError naming the first mismatch between the canonical tensors of a pair. Dtypes
+    may differ where the sender's cast is safe (`cast_refusal`: fp32 masters into a bf16 engine),
+    or anywhere the source layout declares casts: the plan casts each segment as it is packed."""
     if src.tensors is dst.tensors:
         return  # layouts built for one model share their tensors
     for name in sorted(dst.tensors):
@@ -146,8 +149,21 @@ def check_compatible(src: Layout, dst: Layout, tensors: set[str] | None = None) 
             raise LayoutError(f"tensor {name!r}: the destination needs it but the source layout has no such tensor (unknown name)")
         if s.shape != d.shape:
             raise LayoutError(f"tensor {name!r}: shape mismatch, source {list(s.shape)} vs destination {list(d.shape)}")
-        if s.dtype != d.dtype:
-            raise LayoutError(f"tensor {name!r}: dtype mismatch, source {s.dtype} vs destination {d.dtype}")
+        if s.dtype != d.dtype and not src.allow_casts:
+            why = cast_refusal(s.dtype, d.dtype)
+            if why:
+                raise LayoutError(f"tensor {name!r}: dtype mismatch, source {s.dtype} vs destination {d.dtype}: {why}; "
+                                  "declare casts on the trainer's layout (allow_casts=True) to send it anyway")
+
+
+def dtype_casts(src: Layout, dst: Layout, tensors: set[str] | None = None) -> dict[tuple[str, str], int]:
+    """(source dtype, destination dtype) -> how many canonical tensors the pair casts on the sender."""
+    out: dict[tuple[str, str], int] = {}
+    for name, d in dst.tensors.items():
+        s = src.tensors.get(name)
+        if s is not None and s.dtype != d.dtype and (tensors is None or name in tensors):
+            out[(s.dtype, d.dtype)] = out.get((s.dtype, d.dtype), 0) + 1
+    return out
 
 
 def coverage_gap(piece: Piece, rank: int, buffer: str, covered: int) -> LayoutError:

@@ -50,6 +50,30 @@ def itemsize(dtype: str) -> int:
     return DTYPE_SIZES[_known(dtype)]
 
 
+FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32", "float64"})
+INT_DTYPES = frozenset({"int8", "uint8", "int32", "int64"})
+
+
+def cast_refusal(src: str, dst: str) -> str | None:
+    """Why a source tensor of dtype `src` may not arrive as `dst` without a declared cast, or None.
+
+    The sender casts as it packs (the wire carries `dst`). Between floating dtypes the cast is
+    what an engine does when it loads a checkpoint of another precision (an FSDP2 trainer's fp32
+    masters into a bf16 or fp16 engine): allowed. Widening an integer is exact: allowed. Anything
+    else loses range or meaning (float to integer, a narrower integer, integer to float):
+    refused unless the trainer's layout declares casts (`allow_casts`)."""
+    _known(src), _known(dst)
+    if src == dst or (src in FLOAT_DTYPES and dst in FLOAT_DTYPES):
+        return None
+    if src in INT_DTYPES and dst in INT_DTYPES:
+        if DTYPE_SIZES[dst] > DTYPE_SIZES[src] and dst != "uint8":  # every int here but uint8 is signed
+            return None
+        return f"{src} does not fit in {dst}"
+    if src in FLOAT_DTYPES:
+        return f"a float ({src}) into an integer ({dst}) loses its range and fraction"
+    return f"an integer ({src}) into a float ({dst}) may round"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Box:
     """A hyper-rectangle: per-dimension offset and size."""

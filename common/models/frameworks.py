@@ -24,7 +24,7 @@ import itertools
 import numpy as np
 
 from reshard.common.layout.columns import DTYPE_IDS, ClassCols, ColumnRanks, concat, fit_width
-from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
+from reshard.common.layout.core import DTYPES, Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec, flat_pieces
 from reshard.common.layout.placement import chunk_sizes
 
 
@@ -525,8 +525,9 @@ BUILDERS = {"megatron": megatron, "vllm": vllm, "fsdp": fsdp}
 _INT_KEYS = {"megatron": ("tp", "pp", "cp", "dp", "ep", "etp", "vpp"), "vllm": ("tp", "dp", "ep"), "fsdp": ("dp", "flat")}
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, int]]:
-    """'framework=megatron,tp=2,pp=4' -> ('megatron', {'tp': 2, 'pp': 4}), with errors naming the fix."""
+def parse_spec(spec: str) -> tuple[str, dict[str, int | str]]:
+    """'framework=megatron,tp=2,pp=4' -> ('megatron', {'tp': 2, 'pp': 4}), with errors naming the fix.
+    Every framework also takes dtype=NAME: the dtype its buffers hold (default: the model's)."""
     fields = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         k, sep, v = part.partition("=")
@@ -536,10 +537,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int]]:
     fw = fields.pop("framework", None)
     if fw not in BUILDERS:
         raise ValueError(f"layout spec {spec!r}: framework must be one of {', '.join(BUILDERS)}")
-    out = {}
+    out: dict[str, int | str] = {}
     for k, v in fields.items():
+        if k == "dtype":
+            if v not in DTYPES:
+                raise ValueError(f"layout spec {spec!r}: dtype={v!r} must be one of {', '.join(DTYPES)}")
+            out[k] = v
+            continue
         if k not in _INT_KEYS[fw]:
-            raise ValueError(f"layout spec {spec!r}: {fw} takes {', '.join(_INT_KEYS[fw])}, not {k!r}")
+            raise ValueError(f"layout spec {spec!r}: {fw} takes {', '.join(_INT_KEYS[fw] + ('dtype',))}, not {k!r}")
         if not v.isdigit():
             raise ValueError(f"layout spec {spec!r}: {k}={v!r} must be a non-negative integer")
         out[k] = int(v)
@@ -549,6 +555,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int]]:
 def build(model: str | ModelSpec, spec: str) -> Layout:
     m = model_spec(model) if isinstance(model, str) else model
     fw, kw = parse_spec(spec)
+    if "dtype" in kw:
+        m = dataclasses.replace(m, dtype=str(kw.pop("dtype")))
     return BUILDERS[fw](m, **kw)
 
 

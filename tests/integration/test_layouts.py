@@ -73,3 +73,29 @@ def test_fp32_master_weights_cast_on_the_sender():
         assert torch.equal(got, want.to(torch.bfloat16))
     finally:
         c.close()
+
+
+@pytest.mark.slow  # about 15 s; tests/unit/test_precision.py covers it in make test
+def test_fsdp2_fp32_masters_negotiated_into_bf16():
+    """No declaration: the trainer's layout says float32 (what FSDP2 under a bf16 mixed-precision
+    policy holds), inference's says bfloat16 (what it serves); the sender casts, bf16 crosses."""
+    from reshard.tools.synth import tensor_value
+
+    c = Cluster("small", inference_workers=2, trainer_layout="framework=fsdp,dp=2,flat=0,dtype=float32",
+                inference_layout="framework=vllm,tp=2")
+    try:
+        rc, out, err = c.update()
+        assert rc == 0, err + c.logs()
+        assert out["verified"]
+        spec = model_spec("small").tensors()
+        bf16_bytes = sum(s.numel * 2 for s in spec.values())
+        # Each inference rank's pieces, 2 bytes an element: the replicated norms twice, nothing in fp32.
+        assert bf16_bytes <= int(out["bytes"]) < 1.1 * bf16_bytes, out
+        step = out["committed"]["step"]
+        for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.2.mlp.up_proj.weight", "lm_head.weight"):
+            got, _ = c.dump(name)
+            want = tensor_value(c.seed, name, step, spec[name].shape, torch.float32).to(torch.bfloat16)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+        assert "cast on the sender" in c.logs()
+    finally:
+        c.close()
