@@ -211,6 +211,18 @@ class NcclTransport(Transport):
         log.warning("nccl session %s, rank %d: communicator aborted in %.3fs: %s", self.session, self.rank,
                     self.abort_seconds, why)
 
+    @contextlib.contextmanager
+    def _aborted_on_error(self):
+        """Around a launch (a group, a broadcast, a split): an error NCCL returns (not ncclInProgress)
+        leaves the communicator failed, and NCCL says to abort it; the session is aborted (so a
+        peer's deadline is not all that ends the update, and no later round is posted on it), and
+        the error raised."""
+        try:
+            yield
+        except NcclError as e:
+            self._abort(f"{e}; the communicator was aborted")
+            raise
+
     def _usable(self) -> None:
         if self._comm is None:
             raise TransportError(self.aborted or f"NCCL session {self.session} is unusable: {self._broken or 'closed'}")
@@ -348,7 +360,7 @@ class NcclTransport(Transport):
         g.new_peers = not pairs <= self._connected
         self._connected |= pairs
         stream = self.comm_stream.cuda_stream
-        with self._lock:
+        with self._lock, self._aborted_on_error():
             self._usable()
             self.lib.group_start()
             try:
@@ -422,7 +434,7 @@ class NcclTransport(Transport):
             member = self.rank in members
             self._usable()
             self._launching()
-            with self._lock:
+            with self._lock, self._aborted_on_error():
                 self._usable()
                 box = self.lib.comm_split(self._comm, 0 if member else NCCL_SPLIT_NOCOLOR, self.rank)
                 self._subs[members] = box if member else None  # abort() now reaches it
@@ -473,7 +485,7 @@ class NcclTransport(Transport):
         self._usable()
         self._launching()
         g = _Group(launched=True, new_peers=True, comm=comm)
-        with self._lock:
+        with self._lock, self._aborted_on_error():
             self._usable()
             code = self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), root,
                                       self._comm if comm is None else comm, self.comm_stream.cuda_stream)

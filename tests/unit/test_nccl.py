@@ -6,9 +6,12 @@ few checks of a real libnccl skip when none is installed."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import itertools
 import json
 import logging
 import time
+import weakref
 
 import pytest
 import torch
@@ -457,21 +460,44 @@ def test_nccl_transport_refuses_cpu_buffers_and_sessions_without_an_id():
 
 
 # -- the transport's logic against a fake library and fake streams ------------------------------------
+# The fakes are strict (issue 28, item 29). What real NCCL refuses they refuse as it does: an NcclError
+# with the code NCCL returns (a group ended that never started, a NULL communicator, a peer or root out
+# of range, a call on a communicator whose last call is still ncclInProgress). What NCCL and CUDA take
+# but the transport's contract forbids fails the test at once (FakeMisuse): work on any stream but the
+# transport's comm stream, sends and receives outside a group, a communicator used after it was aborted,
+# finalized or destroyed, a wait for (or poll of) an event never recorded, counts that differ between a
+# send and its receive. Each stream has its own handle and each communicator its own: the fake before
+# gave every stream handle 0 and took any call on any stream or communicator, so a send posted on the
+# copy stream passed.
+
+
+class FakeMisuse(AssertionError):
+    """A call real NCCL or CUDA would take that breaks the transport's contract (it would hang, corrupt
+    or order nothing on a GPU): fails the test."""
+
+
+_STREAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> FakeStream
+_HANDLES = itertools.count(0x7F3A00001000, 0x200)  # like cudaStream_t and ncclComm_t pointers: distinct, never 0
 
 
 class FakeEvent:
     """Records and host waits go to the FakeCuda's log, in order: ("record", stream, id), ("query", id)
-    (the host's first poll of it)."""
+    (the host's first poll of it). Polling or waiting for one never recorded fails: CUDA would report it
+    complete at once, ordering nothing."""
 
     def __init__(self, cuda):
-        self.cuda, self.polls = cuda, 0
+        self.cuda, self.polls, self.stream = cuda, 0, None
         self.id = cuda.events = cuda.events + 1
 
     def record(self, stream):
+        if stream.cuda is not self.cuda:
+            raise FakeMisuse(f"event {self.id} recorded on another device's {stream.name} stream")
         self.stream = stream
         self.cuda.log.append(("record", stream.name, self.id))
 
     def query(self):
+        if self.stream is None:
+            raise FakeMisuse(f"the host polls event {self.id}, never recorded (CUDA reports it complete at once)")
         self.polls += 1
         if self.polls == 1:
             self.cuda.log.append(("query", self.id))
@@ -479,19 +505,29 @@ class FakeEvent:
 
 
 class FakeStream:
-    cuda_stream = 0
+    """A stream with a handle of its own (`cuda_stream`, what NCCL is given)."""
 
     def __init__(self, cuda=None, name="default"):
         self.cuda, self.name = cuda, name
         self.waits = self.syncs = 0
+        self.cuda_stream = next(_HANDLES)
+        _STREAMS[self.cuda_stream] = self
 
     def wait_event(self, ev):
+        if ev.stream is None:
+            raise FakeMisuse(f"the {self.name} stream waits for event {ev.id}, never recorded (CUDA orders nothing after it)")
+        if ev.stream is self:
+            raise FakeMisuse(f"the {self.name} stream waits for its own event {ev.id} (orders nothing)")
         self.waits += 1
         if self.cuda is not None:
             self.cuda.log.append(("wait", self.name, ev.id))
 
     def wait_stream(self, other):
+        if other is self:
+            raise FakeMisuse(f"the {self.name} stream waits for itself (orders nothing)")
         self.waits += 1
+        if self.cuda is not None:
+            self.cuda.log.append(("wait_stream", self.name, other.name))
 
     def synchronize(self):
         self.syncs += 1
@@ -537,11 +573,39 @@ class FakeCuda:
         return 0
 
 
+class FakeComm:
+    """A communicator of one FakeNccl: its own handle (`value`, as in an ncclComm_t box), its size (None
+    for a split's: the fake sees one rank's color only) and state. `pending`: its last call returned
+    ncclInProgress and no ncclCommGetAsyncError has seen it settle yet."""
+
+    def __init__(self, lib, name, nranks, rank):
+        self.lib, self.name, self.nranks, self.rank = lib, name, nranks, rank
+        self.value = next(_HANDLES)
+        self.state, self.pending = "ready", True  # ready | finalized | aborted | destroyed
+        self.error = 0  # an error it met: every later call but ncclCommAbort returns it
+        lib.comms[name] = self
+
+
+@dataclasses.dataclass(frozen=True)
+class Posted:
+    """One send, receive or broadcast as the fake library took it."""
+
+    call: str  # send | recv | broadcast
+    peer: int  # the peer, or a broadcast's root
+    nbytes: int
+    comm: str  # the communicator's name: comm (the session's) or subN (a split's)
+    stream: str  # the stream's name: comm, copy or default
+    group: int | None  # which group (in launch order), None outside one
+
+
 class FakeNccl:
-    """Async-error answers come from a script: a list of codes, the last one repeating. With `wire`
-    (a dict shared by every rank's FakeNccl) sends and receives move the bytes, in posting order per
-    pair of ranks, as NCCL matches them: ranks then run one after another, senders first. `calls`
-    may be the FakeCuda's log, to see both in one order."""
+    """Async-error answers come from a script: a list of codes, the last one repeating; a code 0 settles
+    the polled communicator. With `wire` (a dict shared by every rank's FakeNccl) sends and receives move
+    the bytes, in posting order per pair of ranks, as NCCL matches them: ranks then run one after
+    another, senders first. `group_end`: what ncclGroupEnd returns, 0 or 7 (ncclInProgress: the group's
+    communicators take no call until a poll settles them), or an error code, raised as NcclLibrary
+    raises it (the communicators keep failing). `calls` may be the FakeCuda's log, to see both in one
+    order; `posted` and `groups` say on which communicator and stream each operation was posted."""
 
     version = "2.23.4"
 
@@ -551,64 +615,163 @@ class FakeNccl:
         self.wire, self.missing = wire, set(missing)
         self.aborted = self.destroyed = 0
         self.aborted_comms: list = []
+        self.posted: list[Posted] = []
+        self.groups: list[list[Posted]] = []  # each ended group's operations
+        self.depth = 0  # ncclGroupStart nesting
+        self.stream = None  # the comm stream: every operation goes to this one
+        self.comms: dict[str, FakeComm] = {}  # by name
 
     def has(self, name):
         return name not in self.missing
 
     def error_string(self, code):
-        return {6: "remote process exited or there was a network error"}.get(code, "")
+        return {4: "invalid argument (run with NCCL_DEBUG=WARN for details)",
+                5: "invalid usage (run with NCCL_DEBUG=WARN for details)",
+                6: "remote process exited or there was a network error"}.get(code, "")
 
     def last_error(self, comm=None):
         return ""
 
+    def _fail(self, call, code, detail):
+        raise NcclError(call, code, self.error_string(code), detail)
+
+    def _comm(self, call, comm, settled=True) -> FakeComm:
+        """The communicator a call names, checked as NCCL checks it, and as the transport must use it."""
+        if comm is None or getattr(comm, "value", None) is None:
+            self._fail(call, 4, "comm argument is NULL")
+        if not isinstance(comm, FakeComm) or comm.lib is not self:
+            raise FakeMisuse(f"{call} on a communicator this library did not make: {comm!r}")
+        if comm.state in ("aborted", "destroyed"):
+            raise FakeMisuse(f"{call} on communicator {comm.name} after it was {comm.state} (NCCL freed it)")
+        if settled and comm.error:
+            self._fail(call, comm.error, f"communicator {comm.name} failed before")
+        if settled and comm.pending:
+            self._fail(call, 4, "Attempt to use communicator before the previous operation returned ncclSuccess")
+        if settled and comm.state == "finalized" and call != "ncclCommDestroy":
+            raise FakeMisuse(f"{call} on communicator {comm.name} after ncclCommFinalize")
+        return comm
+
+    def _stream(self, call, handle) -> FakeStream:
+        s = _STREAMS.get(handle)
+        if s is None:
+            self._fail(call, 1, f"cudaErrorInvalidResourceHandle: no stream {handle!r}")
+        if s.name != "comm" or (self.stream is not None and s is not self.stream):
+            raise FakeMisuse(f"{call} posted on the {s.name} stream (handle {handle:#x}); "
+                             "the transport posts every NCCL operation on its comm stream")
+        self.stream = s
+        return s
+
+    def _post(self, call, kind, ptr, n, peer, comm, stream) -> FakeComm:
+        c = self._comm(call, comm)
+        if kind != "broadcast" and self.depth == 0:
+            raise FakeMisuse(f"{call} outside a group: the transport fuses a round's sends and receives in one "
+                             "group (two ranks that each send first would deadlock)")
+        if n < 0 or (n and not ptr):
+            self._fail(call, 4, f"buffer {ptr!r} of {n} bytes")
+        if c.nranks is not None and not 0 <= peer < c.nranks:
+            self._fail(call, 4, f"{'root' if kind == 'broadcast' else 'peer'} {peer} out of range (nranks {c.nranks})")
+        s = self._stream(call, stream)
+        self.posted.append(Posted(kind, peer, n, c.name, s.name, len(self.groups) if self.depth else None))
+        return c
+
     def comm_init_rank(self, world, uid, rank, blocking=False):
+        if len(uid) != 128 or not 0 <= rank < world:
+            self._fail("ncclCommInitRankConfig", 4, f"rank {rank} of {world}, a {len(uid)}-byte id")
         self.calls.append(("init", world, rank, blocking))
         self.rank = rank
-        return "comm"
+        return FakeComm(self, "comm", world, rank)  # ncclInProgress until a poll settles it
 
     def comm_split(self, comm, color, key):
         import types
 
+        parent = self._comm("ncclCommSplit", comm)
+        parent.pending = True  # the split is in progress on the parent too
         self.calls.append(("split", color, key))
-        return types.SimpleNamespace(value=None if color < 0 else f"sub{len(self.calls)}")
+        if color < 0:
+            return types.SimpleNamespace(value=None)  # NCCL_SPLIT_NOCOLOR: no communicator
+        return FakeComm(self, f"sub{len(self.calls)}", None, None)
 
     def comm_async_error(self, comm):
-        return self.async_codes.pop(0) if len(self.async_codes) > 1 else self.async_codes[0]
+        c = self._comm("ncclCommGetAsyncError", comm, settled=False)
+        code = self.async_codes.pop(0) if len(self.async_codes) > 1 else self.async_codes[0]
+        if c.error:
+            return c.error
+        if code == 0:
+            c.pending = False
+        elif code != 7:
+            c.error = code
+        return code
 
     def comm_abort(self, comm):
+        c = self._comm("ncclCommAbort", comm, settled=False)  # the one call allowed at any time
+        c.state = "aborted"
         self.aborted += 1
-        self.aborted_comms.append(getattr(comm, "value", comm))
+        self.aborted_comms.append(c.name)
 
     def comm_finalize(self, comm):
-        self.calls.append(("finalize",) if comm == "comm" else ("finalize", comm.value))
+        c = self._comm("ncclCommFinalize", comm)
+        self.calls.append(("finalize",) if c.name == "comm" else ("finalize", c.name))
+        c.state, c.pending = "finalized", True
         return 7
 
     def comm_destroy(self, comm):
+        self._comm("ncclCommDestroy", comm).state = "destroyed"
         self.destroyed += 1
 
     def group_start(self):
         self.calls.append(("group_start",))
+        self.depth += 1
+        if self.depth == 1:
+            self._group_from = len(self.posted)
 
     def group_end(self):
+        if self.depth == 0:
+            self._fail("ncclGroupEnd", 5, "ncclGroupEnd: not in a group call")
         self.calls.append(("group_end",))
-        return self.group_end_code
+        self.depth -= 1
+        if self.depth:
+            return 0
+        ops = self.posted[self._group_from:]
+        self.groups.append(ops)
+        code = self.group_end_code
+        for name in {op.comm for op in ops}:
+            if code == 7:  # ncclInProgress: every communicator in the group is
+                self.comms[name].pending = True
+            elif code:  # the group failed: so do its communicators, until aborted
+                self.comms[name].error = code
+        if code not in (0, 7):
+            self._fail("ncclGroupEnd", code, "")  # as NcclLibrary.check does
+        return code
 
     def send(self, ptr, n, peer, comm, stream):
+        c = self._post("ncclSend", "send", ptr, n, peer, comm, stream)
         self.calls.append(("send", peer, n))
         if self.wire is not None:
-            self.wire.setdefault((self.rank, peer), []).append(ctypes.string_at(ptr, n))
+            self.wire.setdefault((c.rank, peer), []).append(ctypes.string_at(ptr, n))
         return 0
 
     def recv(self, ptr, n, peer, comm, stream):
+        c = self._post("ncclRecv", "recv", ptr, n, peer, comm, stream)
         self.calls.append(("recv", peer, n))
         if self.wire is not None:
-            data = self.wire[(peer, self.rank)].pop(0)
-            assert len(data) == n, f"rank {peer} sent {len(data)} bytes into a {n}-byte receive"
+            sent = self.wire.get((peer, c.rank))
+            if not sent:
+                raise FakeMisuse(f"rank {c.rank} receives {n} bytes from rank {peer}, which sent nothing "
+                                 "(NCCL would wait for ever)")
+            data = sent.pop(0)
+            if len(data) != n:
+                raise FakeMisuse(f"rank {peer} sent {len(data)} bytes into a {n}-byte receive "
+                                 "(NCCL needs the same count and datatype on both ends)")
             ctypes.memmove(ptr, data, n)
         return 0
 
     def broadcast(self, sptr, rptr, n, root, comm, stream):
-        self.calls.append(("broadcast", root, n) if comm == "comm" else ("broadcast", root, n, comm.value))
+        c = self._post("ncclBroadcast", "broadcast", sptr, n, root, comm, stream)
+        if sptr != rptr:
+            raise FakeMisuse("the transport broadcasts in place")
+        self.calls.append(("broadcast", root, n) if c.name == "comm" else ("broadcast", root, n, c.name))
+        if self.depth == 0:
+            self.groups.append([self.posted[-1]])
         return 0
 
 
@@ -648,6 +811,8 @@ def test_a_round_is_one_group_in_matching_order():
     t.flush()
     ops = lib.calls[lib.calls.index(("group_start",)):]
     assert ops == [("group_start",), ("recv", 1, 13), ("recv", 1, 11), ("send", 1, 12), ("send", 3, 10), ("group_end",)]
+    assert {(p.comm, p.stream, p.group) for p in lib.posted} == {("comm", "comm", 0)}  # one group, on the comm stream
+    assert (t.comm_stream.name, t.copy_stream.name) == ("comm", "copy")
     assert t.comm_stream.waits == 1  # the comm stream waits for the copies
     for w in works:
         w.wait(1.0)
@@ -965,6 +1130,7 @@ def test_stream_ordered_engine_queues_rounds_and_waits_on_the_device(monkeypatch
                   progress=lambda d, n: progress.append(d)).run()
     log, events = cuda.log, _round_events(cuda.log)
     rounds = sorted({m.round for m in plan.sends[0]})
+    assert {(p.comm, p.stream) for p in t.lib.posted} == {("comm", "comm")} and len(t.lib.groups) == len(rounds)
     assert len(events) == len(rounds) and progress[-1] == plan.send_bytes(0) and len(progress) == len(rounds)
     groups = [i for i, e in enumerate(log) if e == ("group_end",)]
     for k, ev in enumerate(events[:-1]):  # round k+1 is on the stream before the host first looks at round k
@@ -1100,6 +1266,8 @@ def test_prepare_broadcast_splits_on_every_rank(rank):
         assert ("broadcast", 1, 1, sub) in lib.calls  # connected at once; root 2 is rank 1 of (0, 2, 3)
         t.broadcast(torch.zeros(6, dtype=torch.uint8), (2, 0, 3)).wait(1.0)
         assert lib.calls[-1] == ("broadcast", 1, 6, sub)
+        assert lib.posted[-1] == Posted("broadcast", 1, 6, sub, "comm", None)  # the split's communicator, the comm stream
+        assert lib.comms[sub].value != lib.comms["comm"].value
         assert not any(c[0] in ("send", "recv") for c in lib.calls)
     t.prepare_broadcast(groups, 1.0)  # made once
     assert [c for c in lib.calls if c[0] == "split"] == splits
@@ -1264,3 +1432,204 @@ def test_a_reused_session_waits_by_the_current_updates_deadline():
     with pytest.raises(TransportError, match="a group still connecting .*not done within 0.3s"):
         t.broadcast(torch.zeros(4, dtype=torch.uint8), (0, 1, 2, 3))
     assert time.monotonic() - t0 < 1.5 and lib.aborted == 1
+
+
+# -- the strict fakes, and the bugs they catch (issue 28, item 29) -----------------------------------
+
+
+def test_the_fakes_refuse_what_nccl_refuses_and_what_the_transport_must_not_do():
+    import types
+
+    lib, cuda = FakeNccl(), FakeCuda()
+    comm_s, copy_s = cuda.stream(), cuda.stream()
+    assert len({cuda.current.cuda_stream, comm_s.cuda_stream, copy_s.cuda_stream}) == 3  # a handle per stream
+    buf = torch.zeros(8, dtype=torch.uint8)
+    p = buf.data_ptr()
+    with pytest.raises(NcclError, match=r"ncclGroupEnd failed: ncclInvalidUsage \(5\).*not in a group call"):
+        lib.group_end()
+    comm = lib.comm_init_rank(4, b"\0" * 128, 0)
+    other = FakeNccl().comm_init_rank(4, b"\0" * 128, 1)
+    assert comm.value != other.value and comm.value and other.value  # a handle per communicator
+    lib.group_start()
+    with pytest.raises(NcclError, match="ncclSend failed: ncclInvalidArgument .*before the previous operation returned"):
+        lib.send(p, 8, 1, comm, comm_s.cuda_stream)  # the init is still in progress
+    assert lib.comm_async_error(comm) == 0  # settled
+    for stream, name in ((copy_s, "copy"), (cuda.current, "default")):
+        with pytest.raises(FakeMisuse, match=f"ncclSend posted on the {name} stream"):
+            lib.send(p, 8, 1, comm, stream.cuda_stream)
+    with pytest.raises(NcclError, match="ncclUnhandledCudaError"):
+        lib.send(p, 8, 1, comm, 0)  # no such stream
+    with pytest.raises(NcclError, match="ncclInvalidArgument .*peer 4 out of range"):
+        lib.recv(p, 8, 4, comm, comm_s.cuda_stream)
+    with pytest.raises(NcclError, match="ncclInvalidArgument .*NULL"):
+        lib.send(p, 8, 1, types.SimpleNamespace(value=None), comm_s.cuda_stream)
+    with pytest.raises(FakeMisuse, match="did not make"):
+        lib.send(p, 8, 1, other, comm_s.cuda_stream)
+    lib.send(p, 8, 1, comm, comm_s.cuda_stream)
+    assert lib.group_end() == 0 and lib.groups == [[Posted("send", 1, 8, "comm", "comm", 0)]]
+    with pytest.raises(FakeMisuse, match="ncclRecv outside a group"):
+        lib.recv(p, 8, 1, comm, comm_s.cuda_stream)
+    lib.group_start()
+    elsewhere = FakeCuda().stream()  # another transport's comm stream
+    with pytest.raises(FakeMisuse, match="ncclSend posted on the comm stream"):
+        lib.send(p, 8, 1, comm, elsewhere.cuda_stream)
+    lib.group_end()
+
+    ev = cuda.event()
+    with pytest.raises(FakeMisuse, match="polls event .* never recorded"):
+        ev.query()
+    with pytest.raises(FakeMisuse, match="copy stream waits for event .* never recorded"):
+        copy_s.wait_event(ev)
+    ev.record(comm_s)
+    with pytest.raises(FakeMisuse, match="waits for its own event"):
+        comm_s.wait_event(ev)
+    copy_s.wait_event(ev)
+    with pytest.raises(FakeMisuse, match="another device"):
+        cuda.event().record(FakeCuda().current)
+
+    lib.comm_abort(comm)
+    with pytest.raises(FakeMisuse, match="ncclCommFinalize on communicator comm after it was aborted"):
+        lib.comm_finalize(comm)
+
+    wire: dict = {}
+    a, b = FakeNccl(wire=wire), FakeNccl(wire=wire)
+    ca, cb = FakeCuda(), FakeCuda()
+    sa, sb = ca.stream(), cb.stream()
+    comms = [x.comm_init_rank(2, b"\0" * 128, r) for r, x in enumerate((a, b))]
+    for x, c in zip((a, b), comms):
+        x.comm_async_error(c)
+    a.group_start()
+    a.send(p, 8, 1, comms[0], sa.cuda_stream)
+    a.group_end()
+    b.group_start()
+    with pytest.raises(FakeMisuse, match="rank 0 sent 8 bytes into a 4-byte receive"):
+        b.recv(p, 4, 0, comms[1], sb.cuda_stream)
+    with pytest.raises(FakeMisuse, match="rank 1 receives 8 bytes from rank 0, which sent nothing"):
+        b.recv(p, 8, 0, comms[1], sb.cuda_stream)
+    b.group_end()
+
+
+class _PostsOnTheCallersStream:
+    """A transport's comm stream but for the handle NCCL is given: the stream current when it posts
+    (the bug of launching on `torch.cuda.current_stream()`, the copy stream inside the engine)."""
+
+    def __init__(self, real, cuda):
+        self._real, self._cuda = real, cuda
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @property
+    def cuda_stream(self):
+        return self._cuda.current_stream().cuda_stream
+
+
+def test_negative_control_work_posted_on_the_callers_stream_fails():
+    """The fake before gave every stream handle 0, so NCCL got the same handle whichever stream the
+    transport named: both mutant runs below passed against it. The unchanged transport passes."""
+    from reshard.common.dataplane.engine import Engine
+
+    plan, _, full, shapes = _relay_scene()
+
+    def session(mutant):
+        lib, cuda = FakeNccl(), FakeCuda()
+        t = _transport(lib, cuda, rank=0, world=4)
+        if mutant:
+            t.comm_stream = _PostsOnTheCallersStream(t.comm_stream, cuda)
+        return lib, t
+
+    lib, t = session(False)
+    Engine(t, plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 5).run()
+    t.send(torch.zeros(4, dtype=torch.uint8), 1, 0).wait(1.0)
+    assert {(p.call, p.comm, p.stream) for p in lib.posted} == {("send", "comm", "comm")}
+    assert len(lib.groups) == len({m.round for m in plan.sends[0]}) + 1
+
+    _, t = session(True)
+    with pytest.raises(FakeMisuse, match="ncclSend posted on the copy stream"):  # inside the engine's copy context
+        Engine(t, plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 5).run()
+    _, t = session(True)
+    with pytest.raises(FakeMisuse, match="ncclSend posted on the default stream"):  # outside it
+        t.send(torch.zeros(4, dtype=torch.uint8), 1, 0).wait(1.0)
+
+
+def test_negative_control_a_launch_on_a_communicator_still_connecting_fails(monkeypatch):
+    """NCCL refuses any call on a non-blocking communicator whose last call returned ncclInProgress
+    until ncclCommGetAsyncError has seen it settle (ncclInvalidArgument). The transport settles a group
+    still connecting before its next launch; a transport that skips that fails against the strict fake.
+    The fake before took any call at any time, and the mutant passed."""
+
+    def two_rounds(t):
+        for peer in (1, 2):  # each group connects to a new peer: ncclInProgress
+            t.send(torch.zeros(4, dtype=torch.uint8), peer, 0)
+            t.flush()
+
+    lib = FakeNccl(group_end=7)
+    two_rounds(_transport(lib))
+    assert [len(g) for g in lib.groups] == [1, 1]
+    monkeypatch.setattr(NcclTransport, "_launching", lambda self: self._after_producer())  # no settling
+    lib = FakeNccl(group_end=7)
+    with pytest.raises(NcclError, match="ncclSend failed: ncclInvalidArgument .*before the previous operation returned"):
+        two_rounds(_transport(lib))
+    assert lib.aborted == 1  # a launch NCCL failed aborts the session
+
+
+def test_negative_control_waiting_for_an_event_never_recorded_fails(monkeypatch):
+    """A group's event that was made but never recorded on the comm stream: CUDA reports it complete at
+    once and a stream waiting for it orders nothing, so the host would read a receive before it landed.
+    The fake before said such an event was complete and logged the wait: the mutant passed."""
+    lib = FakeNccl()
+    t = _transport(lib)
+    t.send(torch.zeros(4, dtype=torch.uint8), 1, 0).wait(1.0)
+    monkeypatch.setattr(NcclTransport, "_record", lambda self: self._cuda.event())
+    with pytest.raises(FakeMisuse, match="the host polls event .* never recorded"):
+        t.send(torch.zeros(4, dtype=torch.uint8), 1, 0).wait(1.0)
+    t = _transport(FakeNccl())
+    w = t.recv(torch.zeros(4, dtype=torch.uint8), 1, 0)
+    t.flush()
+    with pytest.raises(FakeMisuse, match="the copy stream waits for event .* never recorded"):
+        with t.copy_context():
+            w.device_wait(1.0)
+
+
+def test_negative_control_a_communicator_used_after_its_abort_fails(monkeypatch):
+    """A transport that aborts its communicator but keeps the handle posts the next round on freed
+    memory. The fake before took any call on any communicator: the mutant passed."""
+    real = NcclTransport._abort
+
+    def keeps_the_handle(self, why):
+        comm = self._comm
+        real(self, why)
+        self._comm = comm
+
+    monkeypatch.setattr(NcclTransport, "_abort", keeps_the_handle)
+    lib = FakeNccl()
+    t = _transport(lib)
+    t.abort("update u9 aborted")
+    with pytest.raises(FakeMisuse, match="ncclSend on communicator comm after it was aborted"):
+        t.send(torch.zeros(4, dtype=torch.uint8), 1, 0).wait(1.0)
+
+
+@pytest.mark.parametrize("launch", ["group", "broadcast", "split"])
+def test_a_launch_that_nccl_fails_aborts_the_session(launch):
+    """An error returned by a launch (ncclGroupEnd, ncclBroadcast, ncclCommSplit; not ncclInProgress)
+    leaves the communicator failed, and NCCL says to abort it. The transport raised it and kept the
+    session: later rounds were posted on the failed communicator and close() tried to finalize it."""
+    lib = FakeNccl()
+    t = _transport(lib)
+    buf = torch.zeros(4, dtype=torch.uint8)
+    if launch == "group":
+        lib.group_end_code = 2
+        act = lambda: t.send(buf, 1, 0).wait(1.0)  # noqa: E731
+    elif launch == "broadcast":
+        lib.broadcast = lambda *a: lib._fail("ncclBroadcast", 2, "")
+        act = lambda: t.broadcast(buf, (0, 1, 2, 3)).wait(1.0)  # noqa: E731
+    else:
+        lib.comm_split = lambda *a: lib._fail("ncclCommSplit", 2, "")
+        act = lambda: t.prepare_broadcast([(0, 1)], 1.0)  # noqa: E731
+    with pytest.raises(NcclError, match="ncclSystemError"):
+        act()
+    assert lib.aborted == 1 and lib.aborted_comms == ["comm"]
+    with pytest.raises(TransportError, match=r"unusable: .*ncclSystemError \(2\).*the communicator was aborted"):
+        t.send(buf, 1, 0)
+    t.close()
+    assert ("finalize",) not in lib.calls and lib.destroyed == 0
