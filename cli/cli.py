@@ -136,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="standalone workers' layout, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all workers)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=["shadow", "inplace"], default=None,
+    p.add_argument("--staging", choices=["shadow", "inplace"], default=None,
                    help="standalone workers' staging (default shadow); embedded workers choose their own "
-                        "(InferenceWorker mode=, the vLLM backend's init info), which the controller reads from them")
+                        "(InferenceWorker staging=, the vLLM backend's init info), which the controller reads from them")
+    p.add_argument("--mode", dest="deprecated_mode", choices=["shadow", "inplace"], default=None,
+                   help=argparse.SUPPRESS)  # the earlier name of --staging: still taken, with a warning
     service_args(p, "InferenceWorkers embedded in a serving engine")
     p.add_argument("--allow-peer", action="append", default=[],
                    help="with --mtls: a trainer identity (name in its client certificate) that may push here; repeat "
@@ -444,15 +446,21 @@ def check_service_args(a) -> None:
     Raises ValueError saying what to change."""
     from reshard.common.models.frameworks import world_of
 
+    if a.command == "inference" and a.deprecated_mode is not None:
+        if a.staging not in (None, a.deprecated_mode):
+            raise ValueError(f"--staging {a.staging} and --mode {a.deprecated_mode} (its deprecated name) disagree: "
+                             "give --staging only")
+        log.warning("--mode is deprecated: use --staging %s", a.deprecated_mode)
+        a.staging = a.deprecated_mode
     if a.external_workers:
-        if a.command == "inference" and a.mode is not None:
-            log.warning("--mode %s is ignored with --external-workers: each embedded worker stages as it was made "
-                        "(the controller logs what they report)", a.mode)
+        if a.command == "inference" and a.staging is not None:
+            log.warning("--staging %s is ignored with --external-workers: each embedded worker stages as it was made "
+                        "(the controller logs what they report)", a.staging)
         a.model = a.model or ""  # a label only: the workers declare their own layout
     else:
         a.model = a.model or DEFAULT_MODEL
     if a.command == "inference":
-        a.mode = a.mode or "shadow"
+        a.staging = a.staging or "shadow"
     if not a.external_workers and a.model not in MODELS:
         raise ValueError(f"--model {a.model!r} is not a built-in model: standalone workers take one of "
                          f"{', '.join(sorted(MODELS))} (with --external-workers any label will do)")
@@ -509,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "inference":
             from reshard.inference_svc.service import main as inf_main
 
-            return inf_main(a.listen, a.workers, a.model, a.seed, a.mode, dl, spawn_workers=not a.external_workers,
+            return inf_main(a.listen, a.workers, a.model, a.seed, a.staging, dl, spawn_workers=not a.external_workers,
                             layout=a.layout, device=a.device, worker_listen=a.worker_listen or "")
         from reshard.trainer_svc.service import main as tr_main
 

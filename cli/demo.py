@@ -63,25 +63,26 @@ def run_demo(a) -> int:
         results = {"model": a.model, "payload_bytes": cfg.payload_bytes, "trainer_workers": a.trainer_workers,
                    "inference_workers": a.inference_workers, "transport": "gloo", "updates": [], "baseline": []}
 
-        def one(mode: str) -> dict:
+        def one(method: str) -> dict:
             r = _cli("update", "--trainer", tr_addr, "--wait", "--json", "--timeout", "900", timeout=1000)
             if r.returncode != 0 and not r.stdout.strip():
-                raise RuntimeError(f"{mode} update failed: {r.stderr.strip()}")
+                raise RuntimeError(f"{method} update failed: {r.stderr.strip()}")
             out = json.loads(r.stdout)
             if not out["ok"]:
-                raise RuntimeError(f"{mode} update failed: {out['error']}")
+                raise RuntimeError(f"{method} update failed: {out['error']}")
             st = _status("--trainer", tr_addr)
             rec = next(h for h in reversed(st["history"]) if h["version"]["step"] == str(out["committed"]["step"]) or int(h["version"]["step"]) == out["committed"]["step"])
-            if rec.get("mode", "reshard") != mode:
-                raise RuntimeError(f"update {out['committed']} moved by {rec.get('mode')!r}, not {mode!r}")
+            if rec.get("method", "reshard") != method:
+                raise RuntimeError(f"update {out['committed']} moved by {rec.get('method')!r}, not {method!r}")
             secs = float(rec.get("seconds", 0.0))
-            row = {"version": f"{out['committed']['run']}:{out['committed']['step']}", "mode": mode, "seconds": secs,
+            row = {"version": f"{out['committed']['run']}:{out['committed']['step']}", "method": method, "seconds": secs,
                    "transfer_seconds": float(rec.get("transfer_seconds", 0.0)), "bytes": int(rec.get("bytes", 0)),
                    "verify_seconds": float(rec.get("verify_seconds", 0.0)), "verified": bool(rec.get("verified", False)),
                    "requests_during": int(rec.get("requests_during", 0)),
                    "phases": {k: float(v) for k, v in rec.get("phase_seconds", {}).items()}}
             row["gbps"] = row["bytes"] / row["seconds"] / 1e9 if row["seconds"] else 0.0
-            print(f"  {mode:10s} {row['version']:>18s}  {row['seconds']:7.3f} s  {row['bytes'] / 1e9:6.3f} GB  {row['gbps']:6.2f} GB/s  "
+            print(f"  {method:10s} {row['version']:>18s}  {row['seconds']:7.3f} s  {row['bytes'] / 1e9:6.3f} GB  "
+                  f"{row['gbps']:6.2f} GB/s  "
                   f"verify {row['verify_seconds']:.3f} s  verified {'yes' if row['verified'] else 'NO'}", file=log, flush=True)
             return row
 
@@ -99,7 +100,7 @@ def run_demo(a) -> int:
                 time.sleep(0.5)
 
         wait_up()
-        # The first update of each mode opens its session and allocates its buffers once ("cold");
+        # The first update of each method opens its session and allocates its buffers once ("cold");
         # the speedup compares the warm updates that follow, as a training run sees them.
         for i in range(a.updates):
             results["updates"].append(dict(one("reshard"), cold=i == 0))

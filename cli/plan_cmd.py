@@ -80,9 +80,9 @@ def control_figures(plan, src, dst) -> dict:
     layout_reply = pb.LayoutReply(model="model", fingerprint=dfp, workers=D, devices=[f"cuda:{r % 8}" for r in range(D)],
                                   membership=membership)
     begin = pb.BeginUpdateRequest(update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=120.0,
-                                  mode="reshard", epoch=1 << 62, src_fingerprint=sfp)
+                                  method="reshard", epoch=1 << 62, src_fingerprint=sfp)
     prepare = wpb.Prepare(update_id=uid, version=version, plan_digest=plan.digest, session=session, timeout_s=120.0,
-                          mode="reshard", src_fingerprint=sfp, dst_fingerprint=dfp)
+                          method="reshard", src_fingerprint=sfp, dst_fingerprint=dfp)
 
     def cmd(i: int, **kw) -> wpb.ControllerMessage:
         return wpb.ControllerMessage(id=1 << 40 | i, **kw)

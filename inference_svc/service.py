@@ -45,7 +45,7 @@ def _v(version: pb.Version | None) -> str:
 
 class _Update:
     def __init__(self, req: pb.BeginUpdateRequest, world: int) -> None:
-        self.id, self.version, self.mode = req.update_id, req.version, req.mode or "reshard"
+        self.id, self.version, self.method = req.update_id, req.version, req.method or "reshard"
         self.phase = Phase.NEGOTIATE
         self.started = time.monotonic()
         self.deadline = self.started + (req.timeout_s or 120.0)
@@ -140,7 +140,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.epoch_file = epoch_file  # where the newest epoch granted is kept across restarts ('' : memory only)
         self.epoch = _read_epoch(epoch_file)  # the newest epoch granted to a trainer controller: only it may push
         self._dumps = 0  # dumps streaming now: at most MAX_CONCURRENT_DUMPS
-        self._staging_said = ""  # the workers' staging modes, as last logged
+        self._staging_said = ""  # how the workers stage, as last logged
         self._dump_buffers: list = []  # (region bytes, coverage) buffers, one per dump streaming at once
 
     # -- state -----------------------------------------------------------------------------
@@ -181,10 +181,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     def _on_attach(self, conn: WorkerConn) -> None:
         self._reconcile()
         if self.hub.complete():
-            modes: dict[str, list[int]] = {}
+            stagings: dict[str, list[int]] = {}
             for w in self.hub.alive():
-                modes.setdefault(w.hello.staging or "unknown", []).append(w.rank)
-            said = "; ".join(f"{m} on ranks {r}" for m, r in sorted(modes.items()))
+                stagings.setdefault(w.hello.staging or "unknown", []).append(w.rank)
+            said = "; ".join(f"{m} on ranks {r}" for m, r in sorted(stagings.items()))
             if said != self._staging_said:  # said once per change, where it applies: what the workers do
                 self._staging_said = said
                 log.info("workers stage updates: %s", said)
@@ -325,7 +325,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             (req.bucket_bytes == 0 or _bucket_ok(req.bucket_bytes, s.transport), "bucket_bytes: 0, or what the planner takes"),
             (len(req.tensors) <= MAX_TENSORS and all(0 < len(t) <= MAX_NAME for t in req.tensors),
              f"tensors: at most {MAX_TENSORS} names or patterns of at most {MAX_NAME} characters"),
-            (not req.mode or req.mode in transfer_methods(), "mode: a transfer method installed here"),
+            (not req.method or req.method in transfer_methods(), "method: a transfer method installed here"),
             (req.timeout_s == req.timeout_s and req.timeout_s >= 0, "timeout_s: seconds, 0 or more"),
             (0 <= req.epoch, "epoch: 0 or more"),
             (len(req.plan_digest) <= 128 and len(req.src_fingerprint) <= 128, "plan_digest / src_fingerprint: malformed"),
@@ -408,7 +408,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 self._advance(u, Phase.CONNECT)
                 u.requests_at_start = sum(w.requests_served for w in self.hub.alive())
                 prep = wpb.Prepare(update_id=u.id, version=req.version, plan_digest=plan.digest, session=req.session,
-                                   timeout_s=req.timeout_s, mode=u.mode, bucket_bytes=req.bucket_bytes, tensors=req.tensors,
+                                   timeout_s=req.timeout_s, method=u.method, bucket_bytes=req.bucket_bytes, tensors=req.tensors,
                                    src_fingerprint=layout_fingerprint(src), dst_fingerprint=dst_fp)
                 await self.hub.prepare_all(max(self.deadlines.rpc_s, u.deadline - time.monotonic()), prep,
                                            {prep.src_fingerprint: src_bytes, dst_fp: dst_bytes})
@@ -524,12 +524,12 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                                      commit_seconds=commit_s)
         self.hub.meter.add("FinishUpdateReply", reply)
         record = pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes, verified=True,
-                                 verify_seconds=verify_s, mode=u.mode, requests_during=max(0, during), tensors=u.tensors,
+                                 verify_seconds=verify_s, method=u.method, requests_during=max(0, during), tensors=u.tensors,
                                  update_id=u.id, note=u.note)
         self.hub.meter.record(record)
         self.history.append(record)
         self.history = self.history[-100:]
-        log.info("committed %s (%s, %d bytes)", _v(u.version), u.mode, nbytes)
+        log.info("committed %s (%s, %d bytes)", _v(u.version), u.method, nbytes)
         self._record(u.id, reply)
         return reply
 
@@ -560,7 +560,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def _fail(self, u: _Update, error: str) -> None:
         u.phase, u.error = Phase.ABORT, u.error or error
         self.last_error = error
-        record = pb.UpdateRecord(version=u.version, ok=False, error=error, mode=u.mode, seconds=time.monotonic() - u.started,
+        record = pb.UpdateRecord(version=u.version, ok=False, error=error, method=u.method, seconds=time.monotonic() - u.started,
                                  update_id=u.id)
         self.hub.meter.record(record)
         self.history.append(record)
@@ -862,7 +862,7 @@ def _place(pieces: list[wpb.ReadPiece], region, reg, cv, dtype) -> list[pb.Versi
     return versions
 
 
-async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: str = "shadow", layout: str = "",
+async def serve(listen: str, workers: int, model: str, *, seed: int = 0, staging: str = "shadow", layout: str = "",
                 deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu",
                 worker_listen: str = "") -> int:
     deadlines = deadlines or Deadlines()
@@ -881,7 +881,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
 
     def command(addr: str, rank: int) -> list[str]:
         return module_command("reshard.inference_svc.standalone") + ["--controller", addr, "--rank", str(rank),
-                "--world", str(workers), "--model", model, "--seed", str(seed), "--mode", mode, "--device", device] + (
+                "--world", str(workers), "--model", model, "--seed", str(seed), "--staging", staging, "--device", device] + (
                     ["--layout", layout] if layout else [])
 
     async def watchdog() -> None:
@@ -893,14 +893,14 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, mode: s
         listen, hub, lambda server: rgrpc.add_InferenceServiceServicer_to_server(ctl, server),
         pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, stop,
         lambda addr, waddr: f"inference_svc listening on {addr} (" + (
-            f"model {model}, {workers} standalone workers, {mode} staging)" if spawn_workers else
+            f"model {model}, {workers} standalone workers, {staging} staging)" if spawn_workers else
             f"{workers} external workers on {waddr}{f', model label {model}' if model else ''}; each reports its staging)"),
         command if spawn_workers else None, (watchdog(),), worker_timeout=deadlines.worker_s,
         worker_listen=worker_listen)
 
 
-def main(listen: str, workers: int, model: str, seed: int, mode: str, deadlines: Deadlines, spawn_workers: bool = True,
+def main(listen: str, workers: int, model: str, seed: int, staging: str, deadlines: Deadlines, spawn_workers: bool = True,
          layout: str = "", device: str = "cpu", worker_listen: str = "") -> int:
-    return run_main(lambda stop: serve(listen, workers, model, seed=seed, mode=mode, deadlines=deadlines, stop=stop,
+    return run_main(lambda stop: serve(listen, workers, model, seed=seed, staging=staging, deadlines=deadlines, stop=stop,
                                        spawn_workers=spawn_workers, layout=layout, device=device,
                                        worker_listen=worker_listen))

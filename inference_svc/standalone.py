@@ -22,12 +22,13 @@ from reshard.common.models.frameworks import build
 from reshard.proto import reshard_pb2 as pb
 from reshard.tools.synth import init_box
 
-from .worker import InferenceWorker
+from .worker import STAGINGS, InferenceWorker
 
+log = logging.getLogger("reshard.inference")
 CHECKPOINT = pb.Version(run="checkpoint", step=0)
 
 
-def make_worker(controller: str, rank: int, world: int, model: str, seed: int, mode: str, fault: dict,
+def make_worker(controller: str, rank: int, world: int, model: str, seed: int, staging: str, fault: dict,
                 layout_spec: str = "", device: str = "cpu") -> InferenceWorker:
     layout = build(model, layout_spec or f"framework=vllm,tp={world}")
     if layout.world != world:
@@ -38,7 +39,7 @@ def make_worker(controller: str, rank: int, world: int, model: str, seed: int, m
         for p in desc.pieces:  # the checkpoint the engine loaded at start: synthetic step 0
             init_box(p.view(t), seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
         buffers[desc.name] = (desc, t)
-    return InferenceWorker(controller, rank, world, layout.tensors, buffers, mode=mode, version=CHECKPOINT,
+    return InferenceWorker(controller, rank, world, layout.tensors, buffers, staging=staging, version=CHECKPOINT,
                            model=model, fault=fault)
 
 
@@ -62,12 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mode", default="shadow", choices=["shadow", "inplace"])
+    ap.add_argument("--staging", default=None, choices=STAGINGS, help="how updates are staged (default shadow)")
+    ap.add_argument("--mode", dest="deprecated_mode", default=None, choices=STAGINGS,
+                    help=argparse.SUPPRESS)  # the earlier name of --staging: still taken, with a warning
     ap.add_argument("--layout", default="", help="layout spec, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all ranks)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s")
+    if a.deprecated_mode is not None:
+        if a.staging not in (None, a.deprecated_mode):
+            ap.error(f"--staging {a.staging} and --mode {a.deprecated_mode} (its deprecated name) disagree")
+        log.warning("--mode is deprecated: use --staging %s", a.deprecated_mode)
+    staging = a.staging or a.deprecated_mode or "shadow"
     torch.set_num_threads(1)
     fault = {}
     if os.environ.get("RESHARD_FAULT_RANK", "") == str(a.rank):
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_device(a.device, a.rank)
     except ValueError as e:
         raise SystemExit(f"inference worker {a.rank}: {e}") from None
-    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, a.mode, fault, a.layout, a.device)
+    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, staging, fault, a.layout, a.device)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,11 +1,11 @@
 """InferenceWorker: the inference side of the worker library, embedded in a serving engine.
 
-Shadow mode (default): updates are received into shadow buffers while serving
-continues; at COMMIT the engine is paused at a step boundary, the shadow is
-copied into the live parameters (addresses stay put, so CUDA graphs stay valid),
-the commit hooks run, and serving resumes. In-place mode: serving is paused for
-the whole transfer; if it fails, the worker reports NOT_SERVING until a full
-update succeeds."""
+How it stages an update (`staging=`): shadow (default): updates are received into
+shadow buffers while serving continues; at COMMIT the engine is paused at a step
+boundary, the shadow is copied into the live parameters (addresses stay put, so CUDA
+graphs stay valid), the commit hooks run, and serving resumes. In place (`inplace`):
+serving is paused for the whole transfer; if it fails, the worker reports NOT_SERVING
+until a full update succeeds."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,6 +35,17 @@ READ_CHUNK = 1 << 20  # bytes of one ReadPiece message: an intersection larger t
 READ_LOCK_TIMEOUT = 5.0  # a read back waits at most this long for a commit's copy to end
 READ_RETRIES = 8  # copies of a region a read back makes while commits overlap it
 READ_WAIT_S = 0.002  # between looks at a commit in progress
+STAGINGS = ("shadow", "inplace")  # how a worker stages an update (InferenceWorker(staging=...), Hello.staging)
+_mode_warned = False
+
+
+def _warn_mode() -> None:
+    """`mode`, the earlier name of `staging`, still works: it says so once per process."""
+    global _mode_warned
+    if not _mode_warned:
+        _mode_warned = True
+        warnings.warn("InferenceWorker's `mode` is deprecated: it is `staging` now (shadow | inplace)",
+                      DeprecationWarning, stacklevel=3)
 
 
 class InferenceWorker(WorkerBase):
@@ -42,19 +54,28 @@ class InferenceWorker(WorkerBase):
     box_checksum = staticmethod(box_checksum)  # what VERIFY computes per piece (common.checksum)
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
-                 buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, mode: str = "shadow",
+                 buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, staging: str | None = None,
                  pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None,
                  commit_hooks: tuple[Callable[[pb.Version], None], ...] = (), version: pb.Version | None = None,
-                 model: str = "", fault: dict[str, float] | None = None, security: Security | None = None) -> None:
-        if mode not in ("shadow", "inplace"):
-            raise ValueError(f"mode must be 'shadow' or 'inplace', not {mode!r}")
+                 model: str = "", fault: dict[str, float] | None = None, security: Security | None = None,
+                 mode: str | None = None) -> None:
+        """`staging`: "shadow" (the default) or "inplace" (see the module doc). `mode` is its deprecated
+        earlier name (a DeprecationWarning, once)."""
+        if mode is not None:
+            _warn_mode()
+            if staging is not None and staging != mode:
+                raise ValueError(f"staging={staging!r} and mode={mode!r} (its deprecated name) disagree: pass staging only")
+            staging = mode
+        staging = "shadow" if staging is None else staging
+        if staging not in STAGINGS:
+            raise ValueError(f"staging must be 'shadow' or 'inplace', not {staging!r}")
         super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, security=security)
-        self.mode = mode
+        self.staging = staging
         self.pause_hook, self.resume_hook, self.commit_hooks = pause, resume, tuple(commit_hooks)
         self.version = version
         # Allocated once, as a copy of the live weights: a partial update (and padding, which no
         # update writes) commits what the shadow holds for what it does not carry.
-        self.shadow = {n: t.clone() for n, t in self.live.items()} if mode == "shadow" else None
+        self.shadow = {n: t.clone() for n, t in self.live.items()} if staging == "shadow" else None
         self._serving = threading.Lock()
         self._committed = threading.Condition()
         self.serving_ok = True  # False while any tensor is torn (an in-place update failed midway)
@@ -137,10 +158,16 @@ class InferenceWorker(WorkerBase):
             self.resume_hook()
         self._serving.release()
 
+    @property
+    def mode(self) -> str:
+        """Deprecated: `staging` (a DeprecationWarning, once)."""
+        _warn_mode()
+        return self.staging
+
     def before_transfer(self, p: wpb.Prepare) -> None:
         self.updating = True
         self._carrying = set(p.tensors) if p.tensors else None
-        if self.mode == "inplace":
+        if self.staging == "inplace":
             self._pause()
             self.serving_ok = False  # live weights are about to be overwritten
 
@@ -150,7 +177,7 @@ class InferenceWorker(WorkerBase):
     def on_abort(self, update_id: str) -> None:
         if self._verifying == update_id:
             self._verifying = ""  # aborted by the controller: it tells every rank what to serve
-        if self.updating and self.mode == "inplace":
+        if self.updating and self.staging == "inplace":
             # What it carried may be half-written: not served until an update carries it again.
             self.torn |= set(self.tensors) if self._carrying is None else self._carrying
             self.serving_ok = False
@@ -195,7 +222,7 @@ class InferenceWorker(WorkerBase):
         return {}
 
     def _commit(self, version: pb.Version) -> None:
-        if self.mode == "shadow":
+        if self.staging == "shadow":
             self._pause()
         try:
             # Odd while the live weights and the version change: a read back (`_read`) waits for it
@@ -219,7 +246,7 @@ class InferenceWorker(WorkerBase):
                 self.version = pb.Version(run=version.run, step=version.step)
                 for key in [k for k in self.failures if k[0] == version.run and k[1] <= version.step]:
                     del self.failures[key]  # a retry of a failed version made it
-                if self.mode == "inplace":  # what this update carried is whole again; the rest may not be
+                if self.staging == "inplace":  # what this update carried is whole again; the rest may not be
                     self.torn = set() if self._carrying is None else self.torn - self._carrying
                 self.serving_ok = not self.torn
                 self.held = False  # every rank of the deployment commits this version
@@ -266,7 +293,7 @@ class InferenceWorker(WorkerBase):
         return out
 
     def _refuse_inplace(self) -> None:
-        if self.updating and self.mode == "inplace":
+        if self.updating and self.staging == "inplace":
             raise RuntimeError(f"inference rank {self.rank} is receiving an update in place: its weights are being "
                                "overwritten and cannot be read back until the update ends")
 

@@ -69,7 +69,7 @@ class UpdateProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., update_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class UpdateRecord(_message.Message):
-    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "mode", "requests_during", "tensors", "deployment", "update_id", "note", "phase_seconds", "control_bytes", "max_control_message_bytes", "max_control_message")
+    __slots__ = ("version", "ok", "seconds", "bytes", "verified", "verify_seconds", "error", "transfer_seconds", "method", "requests_during", "tensors", "deployment", "update_id", "note", "phase_seconds", "control_bytes", "max_control_message_bytes", "max_control_message")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,7 +85,7 @@ class UpdateRecord(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_DURING_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
@@ -103,7 +103,7 @@ class UpdateRecord(_message.Message):
     verify_seconds: float
     error: str
     transfer_seconds: float
-    mode: str
+    method: str
     requests_during: int
     tensors: int
     deployment: str
@@ -113,7 +113,7 @@ class UpdateRecord(_message.Message):
     control_bytes: int
     max_control_message_bytes: int
     max_control_message: str
-    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., mode: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., control_bytes: _Optional[int] = ..., max_control_message_bytes: _Optional[int] = ..., max_control_message: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[_Union[Version, _Mapping]] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., verified: _Optional[bool] = ..., verify_seconds: _Optional[float] = ..., error: _Optional[str] = ..., transfer_seconds: _Optional[float] = ..., method: _Optional[str] = ..., requests_during: _Optional[int] = ..., tensors: _Optional[int] = ..., deployment: _Optional[str] = ..., update_id: _Optional[str] = ..., note: _Optional[str] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., control_bytes: _Optional[int] = ..., max_control_message_bytes: _Optional[int] = ..., max_control_message: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -274,14 +274,14 @@ class Session(_message.Message):
     def __init__(self, id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., src_world: _Optional[int] = ..., dst_world: _Optional[int] = ..., transport: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ..., key: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "epoch", "allow_rollback", "src_fingerprint")
+    __slots__ = ("update_id", "version", "src_layout", "plan_digest", "session", "timeout_s", "method", "bucket_bytes", "tensors", "epoch", "allow_rollback", "src_fingerprint")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -293,13 +293,13 @@ class BeginUpdateRequest(_message.Message):
     plan_digest: str
     session: Session
     timeout_s: float
-    mode: str
+    method: str
     bucket_bytes: int
     tensors: _containers.RepeatedScalarFieldContainer[str]
     epoch: int
     allow_rollback: bool
     src_fingerprint: str
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., allow_rollback: _Optional[bool] = ..., src_fingerprint: _Optional[str] = ...) -> None: ...
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., method: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., allow_rollback: _Optional[bool] = ..., src_fingerprint: _Optional[str] = ...) -> None: ...
 
 class BeginUpdateReply(_message.Message):
     __slots__ = ("bytes_total",)

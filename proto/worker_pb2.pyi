@@ -36,7 +36,7 @@ class Hello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., pid: _Optional[int] = ..., rank_layout: _Optional[bytes] = ..., model: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., has_version: _Optional[bool] = ..., role: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., instance: _Optional[bytes] = ..., staging: _Optional[str] = ...) -> None: ...
 
 class Prepare(_message.Message):
-    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "mode", "bucket_bytes", "tensors", "src_fingerprint", "dst_fingerprint")
+    __slots__ = ("update_id", "version", "src_layout", "dst_layout", "plan_digest", "session", "timeout_s", "method", "bucket_bytes", "tensors", "src_fingerprint", "dst_fingerprint")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -44,7 +44,7 @@ class Prepare(_message.Message):
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SRC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -56,12 +56,12 @@ class Prepare(_message.Message):
     plan_digest: str
     session: _reshard_pb2.Session
     timeout_s: float
-    mode: str
+    method: str
     bucket_bytes: int
     tensors: _containers.RepeatedScalarFieldContainer[str]
     src_fingerprint: str
     dst_fingerprint: str
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., mode: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., src_fingerprint: _Optional[str] = ..., dst_fingerprint: _Optional[str] = ...) -> None: ...
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[_Union[_reshard_pb2.Version, _Mapping]] = ..., src_layout: _Optional[bytes] = ..., dst_layout: _Optional[bytes] = ..., plan_digest: _Optional[str] = ..., session: _Optional[_Union[_reshard_pb2.Session, _Mapping]] = ..., timeout_s: _Optional[float] = ..., method: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., src_fingerprint: _Optional[str] = ..., dst_fingerprint: _Optional[str] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("update_id", "expected")

@@ -610,7 +610,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self._done, self._connected, self.progress_done, self.progress_total = {}, set(), {}, 0
         t0 = time.monotonic()
         return _Attempt(d, version, uid, t0, t0 + self.deadlines.update_s,
-                        pb.UpdateRecord(version=version, mode=self.method, deployment=d.address, update_id=uid))
+                        pb.UpdateRecord(version=version, method=self.method, deployment=d.address, update_id=uid))
 
     def _enter(self, u: "_Attempt", phase: Phase) -> None:
         """Into `phase`: status shows it, the fault hook may strike, the phase before is timed."""
@@ -674,12 +674,12 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                              key=d.session[3], device_uuids=gpus)
         begin = pb.BeginUpdateRequest(
             update_id=u.uid, version=u.version, plan_digest=u.plan.digest, session=session,
-            timeout_s=u.deadline - time.monotonic(), mode=self.method, bucket_bytes=self.bucket_bytes, tensors=u.names,
+            timeout_s=u.deadline - time.monotonic(), method=self.method, bucket_bytes=self.bucket_bytes, tensors=u.names,
             epoch=d.epoch, allow_rollback=self.allow_rollback, src_fingerprint=u.src_fp)
         await self._begin_update(d, begin, u.src_bytes, u.deadline)
         u.began = True
         prep = wpb.Prepare(update_id=u.uid, version=u.version, plan_digest=u.plan.digest, session=session,
-                           timeout_s=u.deadline - time.monotonic(), mode=self.method, bucket_bytes=self.bucket_bytes,
+                           timeout_s=u.deadline - time.monotonic(), method=self.method, bucket_bytes=self.bucket_bytes,
                            tensors=u.names, src_fingerprint=u.src_fp, dst_fingerprint=u.dst_fp)
         # A cold prepare plans (seconds at scale): it has the update's deadline, and fails at once
         # if a worker goes silent.

@@ -302,7 +302,7 @@ class WorkerBase:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
                           rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts),
                           device=self.device, device_uuid=self.device_uuid, instance=self._instance,
-                          staging=getattr(self, "mode", ""))
+                          staging=getattr(self, "staging", ""))
         if self.version is not None:
             hello.version.CopyFrom(self.version)
             hello.has_version = True
@@ -476,7 +476,7 @@ class WorkerBase:
         loop = asyncio.get_running_loop()
         opts = plan_options(p.bucket_bytes, p.session.transport)
         subset = set(p.tensors) if p.tensors else None
-        method = p.mode or RESHARD
+        method = p.method or RESHARD
         if method != RESHARD:
             transfer_method(method)  # known here, or the update fails before any byte moves
             if subset is not None:
@@ -511,7 +511,7 @@ class WorkerBase:
             done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
             done.memory.update(self.memory)
             if self.side == "src" and sums:  # a source rank's sums per destination piece, as (slot, value) pairs
-                done.checksums.CopyFrom(sender_report(plan, sums, strict=not p.mode or p.mode == RESHARD))
+                done.checksums.CopyFrom(sender_report(plan, sums, strict=not p.method or p.method == RESHARD))
             elif self.side == "dst":  # what landed, summed as it landed: VERIFY compares these
                 self._landed = (p.update_id, sums)
         except Exception as e:  # noqa: BLE001
@@ -612,8 +612,8 @@ class WorkerBase:
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
-        if transport.name in ("ipc", "hybrid") and p.mode and p.mode != RESHARD:
-            raise TransportError(f"transfer method {p.mode!r} sends messages between every pair of ranks, and a "
+        if transport.name in ("ipc", "hybrid") and p.method and p.method != RESHARD:
+            raise TransportError(f"transfer method {p.method!r} sends messages between every pair of ranks, and a "
                                  f"{transport.name} session (workers sharing GPUs) has none between ranks on one GPU")
         if transport.name == "ipc":  # every rank on this GPU: destinations read the sources' buffers
             connected()
@@ -621,10 +621,10 @@ class WorkerBase:
         if transport.name == "hybrid":  # NCCL between GPUs; the host of a shared GPU writes its guest's pieces
             return run_hybrid(transport, p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst, self._pool,
                               deadline, connected=connected, progress=progress, hook=hook)
-        if p.mode and p.mode != RESHARD:  # a tool's method (checked known at prepare)
+        if p.method and p.method != RESHARD:  # a tool's method (checked known at prepare)
             connected()
-            return transfer_method(p.mode)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes, self._pool,
-                                deadline, progress, timeout=p.timeout_s)
+            return transfer_method(p.method)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes,
+                                             self._pool, deadline, progress, timeout=p.timeout_s)
         engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
                         progress=progress, checksums=self.side == "src", hook=hook, receiver_sums=self.side == "dst")
         # Connections to the plan's peers (NCCL makes them in the first group with each): set up here, with

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -32,10 +33,22 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from reshard.common.control.security import Security
-from reshard.inference_svc.worker import InferenceWorker
+from reshard.inference_svc.worker import STAGINGS, InferenceWorker
 from reshard.integrations.vllm.layout import RankLayout, rank_layout
 
 log = logging.getLogger("vllm.reshard")  # under vLLM's logger: its handlers and level apply
+_mode_warned = False
+
+
+def _warn_mode() -> None:
+    """The init info's `mode`, the earlier name of `staging`: said once per process, in vLLM's log too
+    (where a server's operator looks; a DeprecationWarning is hidden by default)."""
+    global _mode_warned
+    if not _mode_warned:
+        _mode_warned = True
+        msg = "the reshard init info's `mode` is deprecated: give `staging` (inplace | shadow)"
+        warnings.warn(msg, DeprecationWarning, stacklevel=4)
+        log.warning(msg)
 
 
 @dataclasses.dataclass
@@ -50,12 +63,25 @@ class ReshardInitInfo(WeightTransferInitInfo):
     """Seconds to wait for the controller to accept this rank."""
     timeout: float = 600.0
     """Default seconds an `update_weights` waits for its version."""
-    mode: str = "inplace"
-    """Staging: `inplace` (one staging copy; a failed transfer leaves it torn until a full update,
+    staging: str = ""
+    """`inplace` (the default: one staging copy; a failed transfer leaves it torn until a full update,
     while vLLM serves what it loaded) or `shadow` (two copies: the staging copy always holds the
     last committed version)."""
     run: str = ""
     """The training run whose versions this deployment takes; empty: the trainer's."""
+    mode: str = ""
+    """Deprecated: the earlier name of `staging` (still taken, with a warning)."""
+
+    def __post_init__(self) -> None:
+        if self.mode:
+            if self.staging and self.staging != self.mode:
+                raise ValueError(f"the reshard init info's staging={self.staging!r} and mode={self.mode!r} (its "
+                                 "deprecated name) disagree: give staging only")
+            _warn_mode()
+            self.staging = self.mode
+        self.staging = self.staging or "inplace"
+        if self.staging not in STAGINGS:
+            raise ValueError(f"the reshard init info's staging must be one of {', '.join(STAGINGS)}, not {self.staging!r}")
 
 
 @dataclasses.dataclass
@@ -119,7 +145,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         if info.token:
             security = dataclasses.replace(security, tokens=(("worker", info.token),))
         self.worker = _Worker(info.controller, self.rank, self.world, layout.tensors,
-                              {b.name: (b, live[b.name]) for b in layout.buffers}, mode=info.mode,
+                              {b.name: (b, live[b.name]) for b in layout.buffers}, staging=info.staging,
                               model=type(self.model).__name__, security=security).start()
         if not self.worker.wait_connected(info.connect_timeout):
             err = self.worker.last_error

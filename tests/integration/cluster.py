@@ -108,7 +108,7 @@ class Cluster:
 
     def __init__(self, model: str = "small", *, inference_workers: int = 4, trainer_workers: int = 2,
                  trainer_model: str | None = None, update_timeout: float = 60, bucket_bytes: int = 0,
-                 inference_env: dict | None = None, inference_mode: str = "shadow", layout_fault: str = "", seed: int = 0,
+                 inference_env: dict | None = None, inference_staging: str = "shadow", layout_fault: str = "", seed: int = 0,
                  trainer_layout: str = "", inference_layout: str = "", trainer_args: tuple[str, ...] = (),
                  inference_args: tuple[str, ...] = ()):
         self.model, self.seed = model, seed
@@ -119,7 +119,8 @@ class Cluster:
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "reshard.cli", "inference", "--listen", self.inf,
                               *(["--layout", inference_layout] if inference_layout else ["--workers", str(inference_workers)]),
-                              "--model", model, "--seed", str(seed), "--mode", inference_mode, "--update-timeout", str(update_timeout),
+                              "--model", model, "--seed", str(seed), "--staging", inference_staging,
+                              "--update-timeout", str(update_timeout),
                               *inference_args],
                              env=env, stdout=subprocess.DEVNULL, stderr=open(f"{self.logdir}/inference.log", "w"), start_new_session=True),
         ]

@@ -111,7 +111,7 @@ def test_killed_inference_worker_rejoins():
 @pytest.mark.slow  # the failure matrix's worker cells cover kills and freezes in make test
 def test_inplace_update_that_fails_leaves_not_serving_until_a_full_update():
     env = dict(SLOW, RESHARD_FAULT_SLOW_SECONDS=str(DEADLINE + 2), RESHARD_FAULT_ONCE="1")
-    c = Cluster("small", update_timeout=DEADLINE, bucket_bytes=64 << 10, inference_env=env, inference_mode="inplace")
+    c = Cluster("small", update_timeout=DEADLINE, bucket_bytes=64 << 10, inference_env=env, inference_staging="inplace")
     try:
         rc, out, err = c.update()
         assert rc != 0 and "deadline" in ((out or {}).get("error", "") + err)

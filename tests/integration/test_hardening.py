@@ -132,7 +132,7 @@ def test_a_partial_update_after_a_failed_inplace_update_keeps_the_torn_tensors_o
     env = {"RESHARD_FAULT_RANK": "1", "RESHARD_FAULT_SLOW_AFTER": "0", "RESHARD_FAULT_SLOW_SECONDS": "30",
            "RESHARD_FAULT_ONCE": "1"}
     c = Cluster("tiny", inference_workers=2, update_timeout=4, bucket_bytes=4096, inference_env=env,
-                inference_mode="inplace")
+                inference_staging="inplace")
     try:
         rc, out, err = c.update()
         assert rc != 0, out
@@ -473,7 +473,7 @@ def test_fencing_survives_an_inference_restart_and_cannot_be_taken_by_naming_an_
 
 
 def test_the_controller_takes_the_staging_its_workers_report():
-    """Item 26: a deployment of embedded in-place workers behind a controller started without --mode
+    """Item 26: a deployment of embedded in-place workers behind a controller started without --staging
     (standalone workers' setting, shadow by default): a transfer that fails midway tears their weights,
     so the deployment must say NOT_SERVING (it said SERVING, judging by its own flag). Item 27: with
     external workers and no --model, no model label is made up."""
@@ -484,7 +484,7 @@ def test_the_controller_takes_the_staging_its_workers_report():
     try:
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
-            workers.append(InferenceWorker(svc.inf_w, r, 2, dst.tensors, bufs, mode="inplace").start())
+            workers.append(InferenceWorker(svc.inf_w, r, 2, dst.tensors, bufs, staging="inplace").start())
         trs = []
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}

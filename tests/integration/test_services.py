@@ -219,5 +219,5 @@ def test_serialized_baseline_delivers_the_same(cluster):
     cluster.restart_trainer("--transfer-method", "serialized")
     rc, out, err = cluster.update()
     assert rc == 0 and out["verified"], err + cluster.logs()
-    assert cluster.status("trainer")["history"][-1]["mode"] == "serialized"
+    assert cluster.status("trainer")["history"][-1]["method"] == "serialized"
     check_all(cluster, out["committed"]["step"])

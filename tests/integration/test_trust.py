@@ -148,10 +148,10 @@ def rpc(addr: str, method: str, request, timeout: float = 15):
 
 @pytest.mark.slow  # a 3 s stalled transfer
 def test_dump_during_an_in_place_transfer_never_blocks_the_worker():
-    """In-place mode holds the serving lock for the whole transfer: a read-back then must be
+    """In-place staging holds the serving lock for the whole transfer: a read-back then must be
     refused at once, not block the worker's loop (which would strand the update)."""
 
-    c = Cluster("tiny", inference_workers=2, inference_mode="inplace",
+    c = Cluster("tiny", inference_workers=2, inference_staging="inplace",
                 inference_env={"RESHARD_FAULT_RANK": "0", "RESHARD_FAULT_SLOW_AFTER": "0", "RESHARD_FAULT_SLOW_SECONDS": "3",
                                "RESHARD_FAULT_ONCE": "1"})
     try:

@@ -1,6 +1,7 @@
 """The command line's own logic: JSON output of protobuf messages and argument checks (no services)."""
 
 import json
+import re
 
 import pytest
 
@@ -115,3 +116,19 @@ def test_a_service_refuses_bad_settings_at_start_naming_them():
         r = subprocess.run([sys.executable, "-m", "reshard.cli", *args], env=dict(os.environ, **env),
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and name in r.stderr and "Traceback" not in r.stderr, (args, env, r.stderr)
+
+
+def test_staging_and_its_deprecated_name(caplog, capsys):
+    """`reshard inference --staging` (default shadow); `--mode`, its earlier name, is still taken with a
+    warning, hidden from --help; the two disagreeing is refused."""
+    assert service_args("inference", "--listen", "127.0.0.1:1", "--model", "tiny").staging == "shadow"
+    assert service_args("inference", "--listen", "127.0.0.1:1", "--model", "tiny", "--staging", "inplace").staging == "inplace"
+    with caplog.at_level("WARNING", logger="reshard"):
+        a = service_args("inference", "--listen", "127.0.0.1:1", "--model", "tiny", "--mode", "inplace")
+    assert a.staging == "inplace" and "--mode is deprecated: use --staging inplace" in caplog.text
+    with pytest.raises(ValueError, match="--staging shadow and --mode inplace"):
+        service_args("inference", "--listen", "127.0.0.1:1", "--model", "tiny", "--staging", "shadow", "--mode", "inplace")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inference", "--help"])
+    helptext = capsys.readouterr().out
+    assert "--staging" in helptext and not re.search(r"--mode\b", helptext)

@@ -49,7 +49,7 @@ def test_a_partial_commit_leaves_the_torn_tensors_unserved():
     specs = {n: TensorSpec(n, (2,), "float32") for n in ("a", "b")}
     bufs = {n: (LocalBuffer(n, (2,), "float32", (Piece(n, Box((0,), (2,)), Box((0,), (2,))),)), torch.zeros(2))
             for n in specs}
-    w = InferenceWorker("127.0.0.1:1", 0, 1, specs, bufs, mode="inplace", version=pb.Version(run="r", step=1))
+    w = InferenceWorker("127.0.0.1:1", 0, 1, specs, bufs, staging="inplace", version=pb.Version(run="r", step=1))
     w.held = False
     w.before_transfer(wpb.Prepare(update_id="u1"))  # a full update, in place
     w.on_abort("u1")  # failed midway
@@ -93,3 +93,34 @@ def test_the_commit_copy_waits_for_the_engines_queued_work(monkeypatch):
     monkeypatch.setattr(Recording, "copy_", copy_)
     w._commit(pb.Version(run="r", step=4))
     assert calls == ["device_sync", "copy", "stream_sync"], calls
+
+
+def test_staging_and_its_deprecated_name_mode(monkeypatch):
+    """`staging` says how a worker stages (shadow by default); `mode=`, its earlier name, still works and
+    warns once per process (DeprecationWarning); the two disagreeing, or an unknown staging, is refused."""
+    import warnings
+
+    import pytest
+
+    from reshard.inference_svc import worker as worker_mod
+
+    spec = TensorSpec("w", (4, 4), "float32")
+    desc = LocalBuffer("w", (4, 4), "float32", (Piece("w", Box((0, 0), (4, 4)), Box((0, 0), (4, 4))),))
+
+    def make(**kw) -> InferenceWorker:
+        return InferenceWorker("127.0.0.1:1", 0, 1, {"w": spec}, {"w": (desc, torch.zeros(4, 4))}, **kw)
+
+    assert make().staging == "shadow" and make().shadow is not None
+    w = make(staging="inplace")
+    assert w.staging == "inplace" and w.shadow is None
+    monkeypatch.setattr(worker_mod, "_mode_warned", False)
+    with pytest.warns(DeprecationWarning, match="`mode` is deprecated: it is `staging` now"):
+        w = make(mode="inplace")
+    assert w.staging == "inplace" and w.shadow is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: a second use is silent
+        assert make(mode="shadow", staging="shadow").staging == "shadow" and w.mode == "inplace"
+    with pytest.raises(ValueError, match="disagree"):
+        make(staging="shadow", mode="inplace")
+    with pytest.raises(ValueError, match="staging must be 'shadow' or 'inplace', not 'both'"):
+        make(staging="both")
