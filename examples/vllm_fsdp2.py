@@ -96,12 +96,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_controllers(tmp: str, tp: int, world: int) -> tuple[list[subprocess.Popen], str, str]:
+def start_controllers(tmp: str, ranks: int, world: int) -> tuple[list[subprocess.Popen], str, str]:
     """`reshard inference` and `reshard trainer`, both waiting for embedded workers."""
     inf, inf_w, tr_w = f"127.0.0.1:{free_port()}", f"unix:{tmp}/inference-workers.sock", f"unix:{tmp}/trainer-workers.sock"
     cmd = [sys.executable, "-m", "reshard.cli"]
     log = open(os.path.join(tmp, "controllers.log"), "w")
-    procs = [subprocess.Popen([*cmd, "inference", "--listen", inf, "--external-workers", "--workers", str(tp),
+    procs = [subprocess.Popen([*cmd, "inference", "--listen", inf, "--external-workers", "--workers", str(ranks),
                                "--worker-listen", inf_w, "--model", "llama-small"], stdout=log, stderr=log),
              subprocess.Popen([*cmd, "trainer", "--listen", f"127.0.0.1:{free_port()}", "--external-workers",
                                "--workers", str(world), "--worker-listen", tr_w, "--inference", inf, "--run", "rl",
@@ -112,10 +112,10 @@ def start_controllers(tmp: str, tp: int, world: int) -> tuple[list[subprocess.Po
 class Offline:
     """vLLM in this process (`vllm.LLM`)."""
 
-    def __init__(self, model_dir: str, tp: int, workers: str, expert_parallel: bool = False) -> None:
+    def __init__(self, model_dir: str, tp: int, workers: str, expert_parallel: bool = False, pp: int = 1) -> None:
         from vllm import LLM, SamplingParams
 
-        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
                        max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
                        enable_expert_parallel=expert_parallel, weight_transfer_config={"backend": "reshard"})
         self.llm.init_weight_transfer_engine({"init_info": {"controller": workers}})
@@ -203,6 +203,8 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--server", action="store_true", help="drive a vLLM server over HTTP instead of an offline LLM")
     ap.add_argument("--expert-parallel", action="store_true", help="vLLM places whole experts on ranks (MoE models)")
+    ap.add_argument("--tp", type=int, default=2, help="vLLM's tensor parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline parallel size (offline only)")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
     args = ap.parse_args()
@@ -212,8 +214,10 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     tmp = tempfile.mkdtemp(prefix="reshard-example-")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(CONFIGS[args.model], f)
-    world, tp = 2, 2
-    procs, inf_workers, tr_workers = start_controllers(tmp, tp, world)
+    world, tp = 2, args.tp
+    if args.pp > 1 and args.server:
+        ap.error("--pp: the example's server mode runs TP only")
+    procs, inf_workers, tr_workers = start_controllers(tmp, tp * args.pp, world)
     ctx = mp.get_context("spawn")
     go, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
     port = free_port()
@@ -225,7 +229,7 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
         for p in trainers:  # they build their model and attach while vLLM starts; they train when told to
             p.start()
         t0 = time.perf_counter()
-        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel)
+        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel, args.pp)
         results["engine_start_seconds"] = time.perf_counter() - t0
         for _ in range(args.steps):
             for g in go:

@@ -110,6 +110,24 @@ class _Worker(InferenceWorker):
             self.dirty |= self._carrying
 
 
+def deployment_rank(pc) -> tuple[int, int]:
+    """(rank, world) of this vLLM worker among every rank of the deployment: data-parallel replica
+    `data_parallel_index` (vLLM's own weight-transfer engines number them so), then its rank within
+    the replica (`parallel_config.rank`: pipeline stage major, tensor rank minor), over
+    data_parallel_size x pipeline_parallel_size x tensor_parallel_size ranks. Each rank's layout
+    says what it holds (a stage's layers, a replica's copy, the experts of its expert map): the
+    inference controller merges them, and the planner relays between replicas holding the same."""
+    per_replica = pc.world_size  # TP x PP
+    dp_index = getattr(pc, "data_parallel_index", None)
+    if dp_index is None:
+        dp_index = getattr(pc, "data_parallel_rank", 0)
+    dp = max(1, int(getattr(pc, "data_parallel_size", 1)))
+    if not 0 <= dp_index < dp or not 0 <= pc.rank < per_replica:
+        raise RuntimeError(f"vLLM parallel config: rank {pc.rank} of {per_replica} in data-parallel replica {dp_index} "
+                           f"of {dp} is outside the deployment")
+    return dp_index * per_replica + pc.rank, dp * per_replica
+
+
 class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
@@ -117,12 +135,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        pc = vllm_config.parallel_config
-        if pc.pipeline_parallel_size > 1:
-            raise NotImplementedError("the reshard backend does not support pipeline parallelism yet")
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        self.rank, self.world = get_tensor_model_parallel_rank(), pc.tensor_parallel_size
+        self.rank, self.world = deployment_rank(vllm_config.parallel_config)
         self.worker: _Worker | None = None
         self.layout: RankLayout | None = None
         self.known: set[str] = set()  # buffers whose staging copy holds the weights vLLM serves

@@ -24,3 +24,24 @@ def test_init_info_takes_staging_and_its_deprecated_name_mode(monkeypatch, caplo
         engine.ReshardInitInfo(controller="c", staging="inplace", mode="shadow")
     with pytest.raises(ValueError, match="staging must be one of shadow, inplace, not 'both'"):
         engine.ReshardInitInfo(controller="c", staging="both")
+
+
+def test_deployment_rank_numbers_every_replica_and_stage_once():
+    """Ranks over DP x PP x TP: replica-major, then vLLM's rank within the replica (PP stage major,
+    TP minor), as vLLM's own weight-transfer engines number them; every rank once. (Before, the rank
+    was the TP rank alone: a second replica or stage took the first one's ranks.)"""
+    from types import SimpleNamespace
+
+    from reshard.integrations.vllm.engine import deployment_rank
+
+    seen = set()
+    for dp in range(2):
+        for pp in range(2):
+            for tp in range(3):
+                pc = SimpleNamespace(world_size=6, rank=pp * 3 + tp, data_parallel_index=dp, data_parallel_size=2)
+                r, world = deployment_rank(pc)
+                assert world == 12
+                seen.add(r)
+    assert seen == set(range(12))
+    with pytest.raises(RuntimeError, match="outside the deployment"):
+        deployment_rank(SimpleNamespace(world_size=2, rank=2, data_parallel_index=0, data_parallel_size=1))
