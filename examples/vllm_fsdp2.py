@@ -253,11 +253,13 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
         for p in trainers:  # first: a trainer waiting for its next step must not outlive a failure below
             if p.is_alive():
                 p.kill()
-        if engine is not None:
-            engine.close()
-        for p in procs:
-            p.terminate()
-            p.wait(30)
+        try:
+            if engine is not None:
+                engine.close()  # raises if vLLM's engine died: the controllers are stopped all the same
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(30)
 
 
 if __name__ == "__main__":
