@@ -25,9 +25,8 @@ from reshard.common.control.rpc import CHANNEL_OPTIONS, keep_task, new_event_loo
 from reshard.common.control.security import Security
 from reshard.common.control.supervisor import CONTROLLER_PID_KEY
 from reshard.common.dataplane.backend import buffers_device, device_uuid, plan_options
-from reshard.common.dataplane.cuda_ipc import run_ipc
-from reshard.common.dataplane.engine import Engine, StagingPool
-from reshard.common.dataplane.hybrid import run_hybrid
+from reshard.common.dataplane.engine import StagingPool
+from reshard.common.dataplane.rank_update import RankUpdate
 from reshard.common.dataplane.transport import Transport, TransportError, transport_class
 from reshard.common.layout.core import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
@@ -612,27 +611,17 @@ class WorkerBase:
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
 
-        if transport.name in ("ipc", "hybrid") and p.method and p.method != RESHARD:
-            raise TransportError(f"transfer method {p.method!r} sends messages between every pair of ranks, and a "
-                                 f"{transport.name} session (workers sharing GPUs) has none between ranks on one GPU")
-        if transport.name == "ipc":  # every rank on this GPU: destinations read the sources' buffers
-            connected()
-            return run_ipc(transport, p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst, deadline, progress)
-        if transport.name == "hybrid":  # NCCL between GPUs; the host of a shared GPU writes its guest's pieces
-            return run_hybrid(transport, p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst, self._pool,
-                              deadline, connected=connected, progress=progress, hook=hook)
         if p.method and p.method != RESHARD:  # a tool's method (checked known at prepare)
+            if not transport.moves_messages_between_all_pairs:
+                raise TransportError(f"transfer method {p.method!r} sends messages between every pair of ranks, and a "
+                                     f"{transport.name} session (workers sharing GPUs) has none between ranks on one GPU")
             connected()
             return transfer_method(p.method)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes,
                                              self._pool, deadline, progress, timeout=p.timeout_s)
-        engine = Engine(transport, plan, self.side, self.rank, buffers, self.shapes, self._pool, deadline,
-                        progress=progress, checksums=self.side == "src", hook=hook, receiver_sums=self.side == "dst")
-        # Connections to the plan's peers (NCCL makes them in the first group with each): set up here, with
-        # the joining, so that the first round moves bytes only. A session reused connects only new pairs.
-        transport.warm_up(*engine.peers(), max(0.0, deadline - time.monotonic()))
-        connected()
-        sums = engine.run()
-        return sums, engine.bytes_done, engine.checksum_seconds
+        # Whatever the session's backend: its transport moves this rank's share (gloo and NCCL by messages,
+        # through the engine; CUDA IPC and hybrid sessions their own way).
+        return transport.run_update(RankUpdate(p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst,
+                                               self._pool, deadline, connected=connected, progress=progress, hook=hook))
 
     def prepared(self, update_id: str) -> tuple[Plan, Layout]:
         """The plan and destination layout of the update this rank prepared last."""

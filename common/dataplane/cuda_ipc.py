@@ -39,6 +39,7 @@ import torch
 
 from reshard.common.dataplane.checksum import box_checksum_tensor, read_sums
 from reshard.common.dataplane.engine import receiver_checksums
+from reshard.common.dataplane.rank_update import RankUpdate
 from reshard.common.dataplane.transport import Transport, TransportError, Work, redact
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan
@@ -221,6 +222,7 @@ class IpcTransport(Transport):
     through the session's rendezvous store (see the module doc). `send`/`recv` are refused."""
 
     name = "ipc"
+    moves_messages_between_all_pairs = False
 
     @classmethod
     def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
@@ -252,6 +254,44 @@ class IpcTransport(Transport):
 
     recv = send
 
+    def run_update(self, u: RankUpdate) -> tuple[dict, int, float]:
+        """This rank's share of an update, by no message: a source puts its buffers' handles in the
+        store, sums what its destinations will read and waits until they are done; a destination
+        maps its sources' buffers, copies its pieces and sums what landed."""
+        update_id, plan, side, rank, buffers, shapes = u.update_id, u.plan, u.side, u.rank, u.buffers, u.shapes
+        u.connected()  # every rank on this GPU: nothing to connect beyond the store
+        if side == "src":
+            total = plan.send_bytes(rank)
+            self.store.put(f"{update_id}/handles/{rank}", export_buffers(buffers), slot="handles")
+            t0 = time.perf_counter()
+            sums = source_checksums(plan, rank, buffers, shapes)
+            csum = time.perf_counter() - t0
+            readers = sorted({m.dst for m in plan.sends.get(rank, [])})
+            # The buffers stay as they are until every destination rank that reads them is done.
+            self.store.wait_keys([f"{update_id}/read/{d}" for d in readers], u.deadline,
+                                 f"destination ranks {readers} did not finish reading this rank's buffers in time")
+            self.store.delete(f"{update_id}/handles/{rank}")  # every reader has mapped and dropped them
+            if u.progress:
+                u.progress(total, total)
+            return sums, total, csum
+        sources = sorted({m.src for m in plan.recvs.get(rank, [])})
+        self.store.wait_keys([f"{update_id}/handles/{s}" for s in sources], u.deadline,
+                             f"source ranks {sources} did not publish their buffers' handles in time")
+        # Every rank of the session is on this GPU (matched by UUID): map on this process's index of it.
+        mapped = {s: import_buffers(self.store.get(f"{update_id}/handles/{s}"), self.device.index) for s in sources}
+        try:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                nbytes = run_plan_from_peers(plan, rank, mapped, buffers)
+        finally:
+            mapped.clear()  # the mappings go before the sources may change
+        t0 = time.perf_counter()
+        sums = receiver_checksums(plan, rank, buffers, u.dst, shapes)  # what landed, read where it landed
+        csum = time.perf_counter() - t0
+        self.store.put(f"{update_id}/read/{rank}", b"1", slot="read")  # read by each source: the next update's deletes it
+        if u.progress:
+            u.progress(nbytes, nbytes)
+        return sums, nbytes, csum
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
@@ -275,35 +315,6 @@ def source_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], sh
 def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
             shapes: dict[str, tuple[int, ...]], dst: Layout, deadline: float,
             progress: Callable[[int, int], None] | None = None):
-    """One rank's share of an update in a CUDA IPC session: (checksums, bytes, checksum seconds)."""
-    if side == "src":
-        total = plan.send_bytes(rank)
-        t.store.put(f"{update_id}/handles/{rank}", export_buffers(buffers), slot="handles")
-        t0 = time.perf_counter()
-        sums = source_checksums(plan, rank, buffers, shapes)
-        csum = time.perf_counter() - t0
-        readers = sorted({m.dst for m in plan.sends.get(rank, [])})
-        # The buffers stay as they are until every destination rank that reads them is done.
-        t.store.wait_keys([f"{update_id}/read/{d}" for d in readers], deadline,
-                    f"destination ranks {readers} did not finish reading this rank's buffers in time")
-        t.store.delete(f"{update_id}/handles/{rank}")  # every reader has mapped and dropped them
-        if progress:
-            progress(total, total)
-        return sums, total, csum
-    sources = sorted({m.src for m in plan.recvs.get(rank, [])})
-    t.store.wait_keys([f"{update_id}/handles/{s}" for s in sources], deadline,
-                f"source ranks {sources} did not publish their buffers' handles in time")
-    # Every rank of the session is on this GPU (matched by UUID): map on this process's index of it.
-    mapped = {s: import_buffers(t.store.get(f"{update_id}/handles/{s}"), t.device.index) for s in sources}
-    try:
-        with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
-            nbytes = run_plan_from_peers(plan, rank, mapped, buffers)
-    finally:
-        mapped.clear()  # the mappings go before the sources may change
-    t0 = time.perf_counter()
-    sums = receiver_checksums(plan, rank, buffers, dst, shapes)  # what landed, read where it landed
-    csum = time.perf_counter() - t0
-    t.store.put(f"{update_id}/read/{rank}", b"1", slot="read")  # read by each source: the next update's deletes it
-    if progress:
-        progress(nbytes, nbytes)
-    return sums, nbytes, csum
+    """`t.run_update` with its arguments spelled out (the form earlier callers use): one rank's share of
+    an update in a CUDA IPC session, (checksums, bytes, checksum seconds)."""
+    return t.run_update(RankUpdate(update_id, plan, side, rank, buffers, shapes, dst, None, deadline, progress=progress))

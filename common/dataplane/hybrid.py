@@ -21,7 +21,8 @@ trainer ranks, then IPC) would hold a second copy of the inference weights on ev
 
 Limits: each GPU holds at most one trainer rank (two are refused by name: a guest's sends
 would need its sums reported by its host); plans have no relays, as in IPC sessions; the
-`serialized` method needs messages between every rank and is refused. Every wait polls
+`serialized` method needs messages between every rank and is refused
+(`moves_messages_between_all_pairs` is False). Every wait polls
 against the update's deadline and fails at once on an abort; a host that fails marks its
 guests' pieces failed, so they fail at once with the host's reason.
 """
@@ -35,10 +36,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from reshard.common.dataplane.cuda_ipc import SessionStore, export_buffers, import_buffers
-from reshard.common.dataplane.engine import Engine, StagingPool, receiver_checksums
+from reshard.common.dataplane.engine import receiver_checksums
+from reshard.common.dataplane.rank_update import RankUpdate
 from reshard.common.dataplane.transport import Transport, TransportError, Work
-from reshard.common.layout.core import Layout
-from reshard.common.plan.planner import Plan
 
 
 class Placement:
@@ -73,6 +73,7 @@ class HybridTransport(Transport):
     NCCL communicator (`net`), addressed by session rank (mapped to the host's)."""
 
     name = "hybrid"
+    moves_messages_between_all_pairs = False  # ranks sharing a GPU have none between them
 
     @classmethod
     def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
@@ -174,51 +175,50 @@ class HybridTransport(Transport):
             if p is not None:
                 p.close()
 
+    def run_update(self, u: RankUpdate) -> tuple[dict, int, float]:
+        """This rank's share of an update: a guest publishes its buffers' handles and waits for its host to
+        write its pieces; a host runs its own share and its guests' in one engine (see the module doc)."""
+        me, where = self.rank, self.placement.describe
+        update_id, plan, rank, buffers, shapes = u.update_id, u.plan, u.rank, u.buffers, u.shapes
+        if self.host != me:  # a guest: its GPU's host writes its pieces
+            self.store.put(f"{update_id}/handles/{me}", export_buffers(buffers), slot="handles")
+            u.connected()
+            mark = f"{update_id}/written/{me}"
+            self.store.wait_keys([mark], u.deadline,
+                                 f"{where(self.host)}, the host of this GPU, did not write this rank's pieces in time")
+            said = self.store.get(mark, take=True)
+            if said != b"ok":
+                raise TransportError(f"{where(self.host)}, the host of this GPU, failed: {said.decode(errors='replace')}")
+            t0 = time.perf_counter()
+            sums = receiver_checksums(plan, rank, buffers, u.dst, shapes)  # what landed, read where it landed
+            total = plan.recv_bytes(rank)
+            if u.progress:
+                u.progress(total, total)
+            return sums, total, time.perf_counter() - t0
+        S = plan.src_world
+        for g in self.guests:
+            self.store.wait_keys([f"{update_id}/handles/{g}"], u.deadline,
+                                 f"{where(g)}, on this GPU, did not publish its buffers' handles in time")
+        guests = {g - S: import_buffers(self.store.get(f"{update_id}/handles/{g}", take=True), self.device.index)
+                  for g in self.guests}
 
-def run_hybrid(t: HybridTransport, update_id: str, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],
-               shapes: dict[str, tuple[int, ...]], dst: Layout, pool: StagingPool, deadline: float, *,
-               connected: Callable[[], None], progress: Callable[[int, int], None] | None = None,
-               hook: Callable[[int], None] | None = None):
-    """One rank's share of an update in a hybrid session: (checksums, bytes, checksum seconds)."""
-    me, where = t.rank, t.placement.describe
-    if t.host != me:  # a guest: its GPU's host writes its pieces
-        t.store.put(f"{update_id}/handles/{me}", export_buffers(buffers), slot="handles")
-        connected()
-        mark = f"{update_id}/written/{me}"
-        t.store.wait_keys([mark], deadline, f"{where(t.host)}, the host of this GPU, did not write this rank's pieces in time")
-        said = t.store.get(mark, take=True)
-        if said != b"ok":
-            raise TransportError(f"{where(t.host)}, the host of this GPU, failed: {said.decode(errors='replace')}")
-        t0 = time.perf_counter()
-        sums = receiver_checksums(plan, rank, buffers, dst, shapes)  # what landed, read where it landed
-        total = plan.recv_bytes(rank)
-        if progress:
-            progress(total, total)
-        return sums, total, time.perf_counter() - t0
-    S = plan.src_world
-    for g in t.guests:
-        t.store.wait_keys([f"{update_id}/handles/{g}"], deadline,
-                          f"{where(g)}, on this GPU, did not publish its buffers' handles in time")
-    guests = {g - S: import_buffers(t.store.get(f"{update_id}/handles/{g}", take=True), t.device.index) for g in t.guests}
+        def mark(said: bytes) -> None:
+            for g in guests.values():
+                g.clear()  # the mappings go before the guests read or change their buffers
+            for g in self.guests:
+                self.store.put(f"{update_id}/written/{g}", said, slot=f"written/{g}")
 
-    def mark(said: bytes) -> None:
-        for g in guests.values():
-            g.clear()  # the mappings go before the guests read or change their buffers
-        for g in t.guests:
-            t.store.put(f"{update_id}/written/{g}", said, slot=f"written/{g}")
-
-    try:
-        engine = Engine(t, plan, side, rank, buffers, shapes, pool, deadline, progress=progress, checksums=side == "src",
-                        hook=hook, receiver_sums=side == "dst", guests=guests)
-        t.warm_up(*engine.peers(), max(0.0, deadline - time.monotonic()))
-        connected()
-        sums = engine.run()  # the copy stream has landed every piece when it returns
-    except BaseException as e:
-        if t.guests and t.store is not None and not t.aborted:
-            try:
-                mark(t.store.redact(str(e) or type(e).__name__).encode())  # guests report it: never the secret
-            except Exception:  # noqa: BLE001 - the guests then fail at their deadline or abort
-                pass
-        raise
-    mark(b"ok")
-    return sums, engine.bytes_done, engine.checksum_seconds
+        try:
+            engine = u.engine(self, guests=guests)
+            self.warm_up(*engine.peers(), max(0.0, u.deadline - time.monotonic()))
+            u.connected()
+            sums = engine.run()  # the copy stream has landed every piece when it returns
+        except BaseException as e:
+            if self.guests and self.store is not None and not self.aborted:
+                try:
+                    mark(self.store.redact(str(e) or type(e).__name__).encode())  # guests report it: never the secret
+                except Exception:  # noqa: BLE001 - the guests then fail at their deadline or abort
+                    pass
+            raise
+        mark(b"ok")
+        return sums, engine.bytes_done, engine.checksum_seconds

@@ -1,5 +1,14 @@
 """Data-plane transports. One interface, several implementations, chosen by name.
 
+A worker moves its share of an update with one call, `Transport.run_update(RankUpdate)`
+(common/dataplane/rank_update.py), whatever its session's backend: here, in the base class,
+the message-passing transports run the plan's rounds through the engine (`gloo`, below;
+`nccl`, common/dataplane/nccl_transport.py); a transport that moves bytes otherwise
+overrides it (`ipc`, common/dataplane/cuda_ipc.py: destinations read the sources' buffers;
+`hybrid`, common/dataplane/hybrid.py: NCCL between GPUs, CUDA IPC within one). One that
+cannot carry a message between every pair of its ranks says so
+(`moves_messages_between_all_pairs`): a tool's transfer method, which needs that, is refused.
+
 The engine sees only `Transport`: post a send or a receive of a flat uint8
 tensor to/from a session peer with a tag, and wait for posted work with a
 deadline. `gloo` runs on CPU (torch's ProcessGroupGloo on a TCPStore, a fresh
@@ -93,6 +102,9 @@ class Transport(abc.ABC):
     connection_bytes: int = 0  # device memory the transport's own connections hold (NCCL's buffers)
     aborted: str = ""  # why abort() was called ("" while the session is usable)
     stream_ordered: bool = False  # posted work runs in posting order on a device stream (see the module doc)
+    # Any rank of the session can send any other a message (send/recv): what a tool's transfer method
+    # (the serialized baseline) needs. False where ranks sharing a GPU have none between them (ipc, hybrid).
+    moves_messages_between_all_pairs: bool = True
 
     @classmethod
     def for_session(cls, session, rank: int, world: int, timeout_s: float, device: str = "cpu",
@@ -101,6 +113,20 @@ class Transport(abc.ABC):
         `on_connecting(transport)` runs before joining blocks, so that another thread can abort it."""
         return cls(session.store_host, session.store_port, session.id, rank, world, timeout_s, on_connecting=on_connecting,
                    key=session.key)
+
+    def run_update(self, u) -> tuple[dict, int, float]:
+        """This rank's share of an update over this session, `u` a RankUpdate (common/dataplane/rank_update.py,
+        which imports this module): (its checksums per destination piece, the bytes it moved, seconds spent
+        summing). Calls `u.connected()` once the session reaches the peers this rank needs, `u.progress` and
+        `u.hook` as bytes move. Message-passing transports (gloo, NCCL) take this one: the plan's rounds
+        through the engine; others override it."""
+        engine = u.engine(self)
+        # Connections to the plan's peers (NCCL makes them in the first group with each): set up here, with
+        # the joining, so that the first round moves bytes only. A session reused connects only new pairs.
+        self.warm_up(*engine.peers(), max(0.0, u.deadline - time.monotonic()))
+        u.connected()
+        sums = engine.run()
+        return sums, engine.bytes_done, engine.checksum_seconds
 
     def abort(self, reason: str) -> None:
         """From any thread: fail what is blocked now and every later call with `TransportError(reason)`."""

@@ -17,6 +17,7 @@ from reshard.common.dataplane.checksum import P
 from reshard.common.dataplane.cuda_ipc import SessionStore
 from reshard.common.dataplane.engine import StagingPool
 from reshard.common.dataplane.hybrid import HybridTransport, Placement
+from reshard.common.dataplane.rank_update import RankUpdate
 from reshard.common.dataplane.transport import GlooTransport, TransportError, serve_store
 from reshard.common.models.frameworks import build
 from reshard.common.plan.planner import make_plan
@@ -95,8 +96,8 @@ def _session(monkeypatch, gpus, src, dst, fail_host=None, deadline_s=20.0, key="
         try:
             t = HybridTransport(placement, me, lambda: SessionStore("127.0.0.1", port, "s", me, 10.0, key), net)
             try:
-                results[(side, rank)] = hybrid.run_hybrid(t, "u1", plan, side, rank, bufs, shapes, dst, StagingPool(),
-                                                          time.monotonic() + deadline_s, connected=lambda: None, hook=hook)
+                results[(side, rank)] = t.run_update(RankUpdate("u1", plan, side, rank, bufs, shapes, dst, StagingPool(),
+                                                                time.monotonic() + deadline_s, hook=hook))
             finally:
                 t.close()
         except Exception as e:  # noqa: BLE001 - the test reads it
@@ -199,16 +200,16 @@ def test_a_guest_that_never_publishes_fails_its_host_at_the_deadline_and_an_abor
     shapes = {n: t.shape for n, t in src.tensors.items()}
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="inference rank 0, on this GPU, did not publish its buffers' handles in time"):
-        hybrid.run_hybrid(host, "u1", plan, "src", 0, buffers(src, 0, shapes, 7), shapes, dst, StagingPool(),
-                          time.monotonic() + 0.4, connected=lambda: None)
+        host.run_update(RankUpdate("u1", plan, "src", 0, buffers(src, 0, shapes, 7), shapes, dst, StagingPool(),
+                                   time.monotonic() + 0.4))
     assert time.monotonic() - t0 < 3
     guest = HybridTransport(placement, 1, lambda: SessionStore("127.0.0.1", port, "s", 1, 5.0, "k"), net)
     assert len(made) == 1  # a guest joins no data-plane group
     threading.Timer(0.2, guest.abort, ("update u2 aborted",)).start()
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="update u2 aborted"):
-        hybrid.run_hybrid(guest, "u2", plan, "dst", 0, buffers(dst, 0, shapes, None), shapes, dst, StagingPool(),
-                          time.monotonic() + 30, connected=lambda: None)
+        guest.run_update(RankUpdate("u2", plan, "dst", 0, buffers(dst, 0, shapes, None), shapes, dst, StagingPool(),
+                                    time.monotonic() + 30))
     assert time.monotonic() - t0 < 3
     with pytest.raises(TransportError, match="moves no bytes of its own: its GPU's host \\(trainer rank 0\\) does"):
         HybridTransport(placement, 1, lambda: SessionStore("127.0.0.1", port, "s", 1, 5.0, "k"), net).send(
@@ -251,7 +252,7 @@ def test_hybrid_hosts_over_the_fake_nccl_address_comm_ranks_and_land_bit_exact(m
     def guest():
         t = transport(2)
         try:
-            out[2] = hybrid.run_hybrid(t, "u1", plan, "dst", 0, bufs[2], shapes, dst, StagingPool(), deadline, connected=lambda: None)
+            out[2] = t.run_update(RankUpdate("u1", plan, "dst", 0, bufs[2], shapes, dst, StagingPool(), deadline))
         except Exception as e:  # noqa: BLE001 - the test reads it
             out[2] = e
 
@@ -260,8 +261,7 @@ def test_hybrid_hosts_over_the_fake_nccl_address_comm_ranks_and_land_bit_exact(m
     for me, side, rank in ((1, "src", 1), (0, "src", 0), (3, "dst", 1)):
         t = transport(me)
         assert t.stream_ordered
-        out[me] = hybrid.run_hybrid(t, "u1", plan, side, rank, bufs[me], shapes, dst, StagingPool(), deadline,
-                                    connected=lambda: None)
+        out[me] = t.run_update(RankUpdate("u1", plan, side, rank, bufs[me], shapes, dst, StagingPool(), deadline))
     th.join(30)
     sock.close()
     assert not isinstance(out[2], Exception), out[2]
