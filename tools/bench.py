@@ -113,6 +113,7 @@ def _calibrate(g: int, world: int, host: str, port: int, nonce: str, shapes: lis
         out["copy_op_s"] = bm.copy_op_seconds()
         out["checksum_gbps"] = bm.checksum_gbps()
         out["checksum_op_s"] = bm.checksum_op_seconds()
+        out["checksum_throughput"] = bm.checksum_throughput(iters=3 if quick else 5)
         out["stream_bytes"] = big * count
         q.put(("calib", out))
     # The copy and checksum rates again with every core busy: one process per core, started
@@ -537,6 +538,11 @@ def _calibration_line(cal: dict, sep: str = "; ") -> str:
              f"copies {cal['copy_gbps']:.2f} GB/s{busy('copy_gbps')} + {cal['copy_op_s'] * 1e6:.1f} us each",
              f"checksums {cal['checksum_gbps']:.2f} GB/s per core{busy('checksum_gbps')} + "
              f"{cal['checksum_op_s'] * 1e6:.0f} us each"]
+    ct = cal.get("checksum_throughput")
+    if ct:
+        parts.append(f"checksum throughput on {ct['bytes'] / 2**20:.0f} MiB, one core: host path (numpy) "
+                     f"{ct['numpy_gbps']:.2f} GB/s, device path (torch ops, on CPU) {ct['torch_gbps']:.2f} GB/s, "
+                     f"memcpy of the same bytes {ct['memcpy_gbps']:.2f} GB/s")
     parts += [f"{k} ranks: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
               f"{v['round_s'] * 1e6:.0f} us, broadcast window {v['collective_s'] * 1e6:.0f} us, start "
               f"{v['start_s'] * 1e6:.0f} us" for k, v in cal["shapes"].items()]

@@ -440,6 +440,31 @@ def checksum_gbps(nbytes: int = 32 << 20, iters: int = 5) -> float:
     return x.numel() * 2 / statistics.median(times) / 1e9
 
 
+def checksum_throughput(nbytes: int = 32 << 20, iters: int = 5) -> dict:
+    """Checksum throughput of this process beside a plain copy (memcpy) of the same bytes, GB/s, the
+    median pass each, over one contiguous bf16 matrix: the host path (`box_checksum`, numpy: what
+    ranks on CPU run) and the device path (`box_checksum_tensor`, torch ops, the ones a GPU runs,
+    here on CPU tensors)."""
+    from reshard.common.dataplane.checksum import box_checksum, box_checksum_tensor
+
+    cols = 4096
+    x = torch.randn(max(1, nbytes // (cols * 2)), cols).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    shape, n = tuple(x.shape), x.numel() * 2
+
+    def rate(fn) -> float:
+        fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return n / statistics.median(times) / 1e9
+
+    return {"bytes": n, "memcpy_gbps": rate(lambda: out.copy_(x)), "numpy_gbps": rate(lambda: box_checksum(x, (0, 0), shape)),
+            "torch_gbps": rate(lambda: box_checksum_tensor(x, (0, 0), shape))}
+
+
 def copy_op_seconds(n: int = 2000) -> float:
     """Fixed cost of one small packing copy as the engine makes it (strided views of a flattened
     buffer into a staged byte range), seconds."""

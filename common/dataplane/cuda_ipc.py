@@ -299,17 +299,15 @@ class IpcTransport(Transport):
 
 def source_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]):
     """A source rank's sums per destination piece of what its destinations will read (each segment
-    as the destination holds it: cast to its dtype), computed on the buffers' device, read once."""
-    acc: dict[tuple[int, str, int], torch.Tensor] = {}
+    as the destination holds it: cast to its dtype, tile by tile), queued on the buffers' device and
+    read once; a piece's segments add up on the host."""
+    queued: list[tuple[tuple[int, str, int], torch.Tensor]] = []
     for m in plan.sends.get(rank, []):
         for seg in m.segments:
             view = seg.src.view(buffers[seg.src.buffer], seg.box.size)
-            if view.dtype != dtype_of(seg.dst_dtype):
-                view = view.to(dtype_of(seg.dst_dtype))
-            c = box_checksum_tensor(view, seg.box.offset, shapes[seg.tensor])
-            key = (m.dst, seg.dst_buffer, seg.dst_piece)
-            acc[key] = acc[key] + c if key in acc else c
-    return read_sums(acc)
+            c = box_checksum_tensor(view, seg.box.offset, shapes[seg.tensor], dtype=dtype_of(seg.dst_dtype))
+            queued.append(((m.dst, seg.dst_buffer, seg.dst_piece), c))
+    return read_sums(queued)
 
 
 def run_ipc(t: IpcTransport, update_id: str, plan: Plan, side: str, rank: int, buffers: dict[str, torch.Tensor],

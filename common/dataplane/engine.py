@@ -12,9 +12,12 @@ queues them back to back without waiting on the host: the copy stream waits (on 
 device) for round k's group before unpacking it, which also orders the packing of
 round k+2 into round k's half of the staging, and of a relay after the receive it
 forwards. Checksums are then queued on the copy stream too (`box_checksum_tensor`)
-and read once at the end. The host waits for round k only once ROUNDS_AHEAD later
-rounds are queued (bounding what is queued on the device behind a peer that may
-have died) and for the rest at the end; progress and the hook follow those waits.
+and read once at the end; a round's sender sums are queued after the next round is
+posted (that round's group waits only for its packing, not for them) and before the
+round after it packs into their half of the staging. The host waits for round k only
+once ROUNDS_AHEAD later rounds are queued (bounding what is queued on the device behind
+a peer that may have died) and for the rest at the end; progress and the hook follow
+those waits.
 
 In a hybrid session (common/dataplane/hybrid.py) a rank may also host the destination
 ranks on its GPU (`guests`): it receives their messages into their buffers (mapped
@@ -31,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor, read_sums
+from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor, box_checksums, read_sums
 from reshard.common.dataplane.transport import Transport, TransportError, Work
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Message, Plan, Segment, Side
@@ -133,7 +136,7 @@ class Engine:
         self.src_world = plan.src_world
         self.dst_offset = plan.src_world if dst_offset is None else dst_offset
         self.checksums: dict[PieceKey, int] = defaultdict(int)
-        self._queued_sums: dict[PieceKey, torch.Tensor] = {}  # stream-ordered: sums on the device, not read yet
+        self._queued_sums: list[tuple[PieceKey, torch.Tensor]] = []  # stream-ordered: sums on the device, not read yet
         self.bytes_done = 0  # this rank's own bytes (a hosted rank's receives are its own to report)
         self.checksum_seconds = 0.0
 
@@ -171,12 +174,12 @@ class Engine:
         return ({self._peer(m, role) for m, role in self.work if role == "send"},
                 {self._peer(m, role) for m, role in self.work if role == "recv"})
 
-    def _add_sum(self, key: PieceKey, values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    def _add_sum(self, key: PieceKey, values: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...],
+                 dtype: torch.dtype | None = None) -> None:
         if self.t.stream_ordered:  # queued on the copy stream, before the staging is reused; read at the end
-            c = box_checksum_tensor(values, offset, shape)
-            self._queued_sums[key] = self._queued_sums[key] + c if key in self._queued_sums else c
+            self._queued_sums.append((key, box_checksum_tensor(values, offset, shape, dtype=dtype)))
         else:
-            self.checksums[key] = (self.checksums[key] + box_checksum(values, offset, shape)) % P
+            self.checksums[key] = (self.checksums[key] + box_checksum(values, offset, shape, dtype=dtype)) % P
 
     def _read_sums(self) -> None:
         if self._queued_sums:
@@ -186,10 +189,24 @@ class Engine:
             self._queued_sums.clear()
             self.checksum_seconds += time.perf_counter() - t0
 
-    def _sender_checksum(self, dst: int, seg: Segment, wire: torch.Tensor) -> None:
+    def _sender_checksum(self, dst: int, seg: Segment, wire: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         t0 = time.perf_counter()
-        self._add_sum((dst, seg.dst_buffer, seg.dst_piece), wire, seg.box.offset, self.shapes[seg.tensor])
+        self._add_sum((dst, seg.dst_buffer, seg.dst_piece), wire, seg.box.offset, self.shapes[seg.tensor], dtype)
         self.checksum_seconds += time.perf_counter() - t0
+
+    def _sender_checksums(self, items: list[tuple[Message, str, torch.Tensor]]) -> None:
+        """Sums of a round's sends per destination piece, of the bytes as sent: from the staging where
+        packed (in the wire dtype), else the source's view. A relay sends none: the plan extends its
+        source's sums to the replicas it feeds."""
+        for m, role, buf in items:
+            if role != "send" or m.relay:
+                continue
+            if self._staged(m, role):
+                for seg, off, n in zip(m.segments, m.segment_offsets, m.segment_bytes):
+                    self._sender_checksum(m.dst, seg, buf[off : off + n].view(dtype_of(seg.dst_dtype)).view(seg.box.size))
+            else:
+                seg = m.segments[0]
+                self._sender_checksum(m.dst, seg, seg.src.view(self.buffers[seg.src.buffer], seg.box.size))
 
     def run(self) -> dict[PieceKey, int]:
         self.t.set_deadline(self.deadline)  # a session reused by this update waits by its deadline
@@ -247,17 +264,8 @@ class Engine:
         self._copy_local(total)  # while the first round is on the wire
         for i in range(len(rounds)):
             nxt = stage(i + 1) if (i + 1 < len(rounds) and prepackable(i + 1)) else None
-            if self.do_checksums:
-                for m, role, buf in current:
-                    if role != "send" or m.relay:
-                        continue
-                    if self._staged(m, role):
-                        for seg, off, n in zip(m.segments, m.segment_offsets, m.segment_bytes):
-                            w = buf[off : off + n].view(dtype_of(seg.dst_dtype)).view(seg.box.size)
-                            self._sender_checksum(m.dst, seg, w)
-                    else:
-                        seg = m.segments[0]
-                        self._sender_checksum(m.dst, seg, seg.src.view(self.buffers[seg.src.buffer], seg.box.size))
+            if self.do_checksums and not ordered:
+                self._sender_checksums(current)  # on the host, while round i is on the wire
             for w in works:
                 # Stream-ordered: what the copy stream queues from here on (this round's unpack, the
                 # packing of round i + 2 into this round's half, a relay's packing) runs after round i.
@@ -271,6 +279,10 @@ class Engine:
             if i + 1 < len(rounds):
                 current = nxt if nxt is not None else stage(i + 1)
                 works = post(current)
+            if self.do_checksums and ordered:
+                # Queued on the copy stream after round i + 1 was posted, whose group then waits only for its
+                # packing, and before round i + 2 packs into round i's half of the staging (next iteration).
+                self._sender_checksums(done)
             if self.receiver_sums:
                 self._receiver_checksums(done)  # while the next round is on the wire
             if ordered:
@@ -290,8 +302,8 @@ class Engine:
             for seg in m.segments:
                 view = seg.src.view(self.buffers[seg.src.buffer], seg.box.size)
                 seg.dst.view(self.guests[m.dst][seg.dst.buffer], seg.box.size).copy_(view)
-                if self.do_checksums:
-                    self._sender_checksum(m.dst, seg, view if view.dtype == dtype_of(seg.dst_dtype) else view.to(dtype_of(seg.dst_dtype)))
+                if self.do_checksums:  # cast tile by tile where the destination's dtype differs
+                    self._sender_checksum(m.dst, seg, view, dtype_of(seg.dst_dtype))
             self.bytes_done += m.nbytes
         if self.local and self.progress:
             self.progress(self.bytes_done, total)
@@ -313,15 +325,8 @@ class Engine:
 
 def receiver_checksums(plan: Plan, rank: int, buffers: dict[str, torch.Tensor], dst: Layout, shapes) -> dict[PieceKey, int]:
     """Checksum every destination piece this rank receives in `plan`, from what it holds now (on a
-    GPU, queued there and read back once)."""
-    out: dict[PieceKey, int] = {}
-    queued: dict[PieceKey, torch.Tensor] = {}
+    GPU, queued there, a large piece in tiles, and all read back once)."""
     pieces = dst.rank_pieces(rank)
-    for (bname, pi) in sorted(plan.expected_pieces(rank)):
-        piece = pieces[(bname, pi)]
-        view = piece.view(buffers[bname])
-        if view.device.type == "cpu":
-            out[(rank, bname, pi)] = box_checksum(view, piece.box.offset, shapes[piece.tensor])
-        else:
-            queued[(rank, bname, pi)] = box_checksum_tensor(view, piece.box.offset, shapes[piece.tensor])
-    return {**out, **read_sums(queued)}
+    keys = sorted(plan.expected_pieces(rank))
+    boxes = [(pieces[k].view(buffers[k[0]]), pieces[k].box.offset, shapes[pieces[k].tensor]) for k in keys]
+    return {(rank, bname, pi): c for (bname, pi), c in zip(keys, box_checksums(boxes))}

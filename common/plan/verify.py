@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from reshard.common.dataplane.checksum import P, box_checksum
+from reshard.common.dataplane.checksum import P, box_checksum, box_checksums
 from reshard.common.layout.core import LayoutError
 from reshard.common.plan.planner import Plan
 from reshard.proto import reshard_pb2 as pb
@@ -83,20 +83,29 @@ def check_rank(plan: Plan, rank: int, expected: pb.Checksums, buffers: dict[str,
     """Checksum every piece `rank` verifies and compare, in order. `pieces`: (buffer, index) ->
     Piece of this rank's layout. `landed`: (rank, buffer, index) -> the sum the engine took of
     each piece's segments where they landed, during the transfer (`Engine(receiver_sums=True)`);
-    a piece not in it (one that came inside a whole-buffer relay) is read now. Raises LayoutError
-    on the first piece that differs, naming its tensor and box."""
+    a piece not in it (one that came inside a whole-buffer relay) is read now: with the default
+    `checksum`, on a GPU all such pieces are queued (a large one in tiles) and read back at once.
+    Raises LayoutError on the first piece that differs, naming its tensor and box."""
     _check_digest(plan, expected, "expected checksums")
     keys, _ = plan.verify_pieces(rank)
     want = _array(expected.values, "expected checksums")
     if len(want) != len(keys):
         raise LayoutError(f"rank {rank}: {len(want)} expected checksums for its {len(keys)} pieces")
+    rows, missing = [], None  # (buffer, index, piece, expected, the landed sum or None), in order
     for (bname, i), w in zip(keys, want.tolist()):
         piece = pieces.get((bname, i))
         if piece is None:
-            raise LayoutError(f"rank {rank}: the plan verifies buffer {bname!r} piece {i}, which this rank does not hold")
-        got = landed.get((rank, bname, i)) if landed else None
+            missing = LayoutError(f"rank {rank}: the plan verifies buffer {bname!r} piece {i}, which this rank does not hold")
+            break
+        rows.append((bname, i, piece, w, landed.get((rank, bname, i)) if landed else None))
+    todo = [r for r in rows if r[4] is None]
+    boxes = [(piece.view(buffers[bname]), piece.box.offset, shapes[piece.tensor]) for bname, _, piece, _, _ in todo]
+    read = iter(box_checksums(boxes) if checksum is box_checksum else [checksum(*b) for b in boxes])
+    for bname, _, piece, w, got in rows:
         if got is None:
-            got = checksum(piece.view(buffers[bname]), piece.box.offset, shapes[piece.tensor])
+            got = next(read)
         if got != w % P:
             raise LayoutError(f"checksum mismatch on inference rank {rank}: tensor {piece.tensor!r} box {piece.box} "
                               f"in buffer {bname!r} (expected {w}, got {got})")
+    if missing is not None:
+        raise missing

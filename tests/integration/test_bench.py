@@ -25,6 +25,9 @@ def test_quick_bench_end_to_end(tmp_path):
     for k in ("latency_s", "pair_gbps", "aggregate_gbps", "copy_gbps", "copy_op_s", "checksum_gbps", "checksum_op_s"):
         assert cal[k] > 0
     assert cal["alone"]["copy_gbps"] > 0 and cal["alone"]["checksum_gbps"] > 0  # and again with every core busy
+    ct = cal["checksum_throughput"]  # checksum throughput beside a memcpy of the same bytes
+    assert ct["bytes"] > 0 and ct["memcpy_gbps"] > 0 and ct["numpy_gbps"] > 0 and ct["torch_gbps"] > 0
+    assert "checksum throughput on" in r.stderr and "memcpy of the same bytes" in r.stderr
     shape = cal["shapes"]["2->2"]  # measured at the concurrency of the layout pair: 4 processes, 2 streams
     assert shape["aggregate_streams"] == 2
     assert shape["aggregate_gbps"] > 0 and shape["round_s"] > 0 and shape["collective_s"] > 0 and shape["start_s"] >= 0

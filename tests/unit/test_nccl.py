@@ -1164,6 +1164,38 @@ def test_stream_ordered_engine_queues_rounds_and_waits_on_the_device(monkeypatch
     assert not any(wire.values()), "messages sent but never received"
 
 
+def test_stream_ordered_sender_sums_are_off_the_next_rounds_path(monkeypatch):
+    """On a stream-ordered transport a round's sender checksums are queued on the copy stream after the
+    next round's group is launched (which waits for what the copy stream queued before it: only its
+    packing) and before the round after it packs into their half of the staging (issue 28, item 28).
+    They were queued before the next round was posted, which then waited for them."""
+    from reshard.common.dataplane.engine import Engine
+    from tests.unit.loopback import Loopback
+
+    plan, _, full, shapes = _relay_scene()
+    rounds = sorted({m.round for m in plan.sends[0]})
+    round_of = {id(seg): m.round for m in plan.sends[0] for seg in m.segments}
+    cuda = FakeCuda()
+    _logged_copies(monkeypatch, cuda.log)
+    real = Engine._sender_checksum
+    monkeypatch.setattr(Engine, "_sender_checksum", lambda self, dst, seg, wire, *a: (
+        cuda.log.append(("sum", round_of[id(seg)])), real(self, dst, seg, wire, *a)))
+    t = _transport(FakeNccl(calls=cuda.log, wire={}), cuda, rank=0, world=4)
+    sums = Engine(t, plan, "src", 0, {k: v.clone() for k, v in full.items()}, shapes, StagingPool(),
+                  time.monotonic() + 30).run()
+    log = cuda.log
+    groups = [i for i, e in enumerate(log) if e == ("group_end",)]
+    assert len(groups) == len(rounds)
+    for k, r in enumerate(rounds):
+        at = [i for i, e in enumerate(log) if e == ("sum", r)]
+        assert at, f"round {r} has no sender sums"
+        if k + 1 < len(rounds):
+            assert groups[k + 1] < min(at), f"round {r}'s sums were queued before round {rounds[k + 1]} was launched"
+        if k + 2 < len(rounds):
+            assert max(at) < log.index(("pack", rounds[k + 2])), f"round {rounds[k + 2]} packed over round {r}'s staging first"
+    assert sums == Engine(Loopback(0, {}), plan, "src", 0, full, shapes, StagingPool(), time.monotonic() + 30).run()
+
+
 def test_stream_ordered_final_wait_honours_deadline_and_abort():
     import threading
 

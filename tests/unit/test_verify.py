@@ -112,3 +112,33 @@ def test_reports_are_checked_against_the_plan():
         verify.merge_reports(plan, [out])
     with pytest.raises(LayoutError, match="expected checksums"):
         verify.check_rank(plan, 0, verify.dense(plan, np.zeros(1, np.uint32)), got[0], layout.rank_pieces(0), shapes)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_pieces_read_at_verify_are_summed_in_one_batch(monkeypatch, corrupt):
+    """VERIFY's fallback (pieces not summed as they landed) queues every piece's sum on the device and
+    reads them back once: no read per piece (on a GPU each was a host sync). CPU tensors stand in for a
+    device here; the first piece that differs is still the one named (issue 28, item 28)."""
+    from reshard.common.dataplane import checksum
+
+    plan, layout, full, shapes, reports, got = transfer(*PAIRS[0])
+    values = verify.merge_reports(plan, reports)
+    d = max(plan.primary_of)
+    keys, _ = plan.verify_pieces(d)
+    pieces = layout.rank_pieces(d)
+    if corrupt:
+        for k in (keys[len(keys) // 2], keys[-1]):  # two wrong pieces: the first in the rank's order is named
+            v = pieces[k].view(got[d][k[0]]).reshape(-1)
+            v[0] = v[0] + 1
+    monkeypatch.setattr(checksum, "_on_host", lambda values: False)
+    reads = []
+    for name in ("item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, real=real, name=name: (reads.append(name), real(self))[1])
+    expected = verify.rank_expected(plan, d, values)
+    if corrupt:
+        with pytest.raises(LayoutError, match=f"tensor '{pieces[keys[len(keys) // 2]].tensor}'"):
+            verify.check_rank(plan, d, expected, got[d], pieces, shapes)
+    else:
+        verify.check_rank(plan, d, expected, got[d], pieces, shapes)
+    assert len(keys) > 3 and reads == ["tolist"], reads
