@@ -98,6 +98,16 @@ def _device(s: str) -> str:
     raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, not {s!r}")
 
 
+def _pool_bytes(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number of bytes") from None
+    if n < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{n} bytes is under 1 MiB: a pool must hold at least a bucket")
+    return n
+
+
 def _positive(s: str) -> float:
     v = float(s)
     if v <= 0:
@@ -136,9 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="standalone workers' layout, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all workers)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--staging", choices=["shadow", "inplace"], default=None,
-                   help="standalone workers' staging (default shadow); embedded workers choose their own "
+    p.add_argument("--staging", choices=["shadow", "inplace", "bounded"], default=None,
+                   help="standalone workers' staging (default shadow; bounded: no copy, received through a pool of "
+                        "--pool-bytes); embedded workers choose their own "
                         "(InferenceWorker staging=, the vLLM backend's init info), which the controller reads from them")
+    p.add_argument("--pool-bytes", type=_pool_bytes, default=256 << 20,
+                   help="standalone workers staging bounded: the pool each receives through (default 256 MiB)")
     p.add_argument("--mode", dest="deprecated_mode", choices=["shadow", "inplace"], default=None,
                    help=argparse.SUPPRESS)  # the earlier name of --staging: still taken, with a warning
     service_args(p, "InferenceWorkers embedded in a serving engine")
@@ -518,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             from reshard.inference_svc.service import main as inf_main
 
             return inf_main(a.listen, a.workers, a.model, a.seed, a.staging, dl, spawn_workers=not a.external_workers,
-                            layout=a.layout, device=a.device, worker_listen=a.worker_listen or "")
+                            layout=a.layout, device=a.device, worker_listen=a.worker_listen or "", pool_bytes=a.pool_bytes)
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,

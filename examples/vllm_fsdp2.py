@@ -79,13 +79,13 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, voca
         opt.step()
         opt.zero_grad()
         handle = worker.publish(step)
+        if rank == 0:  # the driver asks vLLM for the step now: a bounded vLLM takes it inside update_weights
+            done.put((step, float(loss)))
         if not handle.wait(300):
             raise RuntimeError(f"trainer rank {rank}: step {step} was not taken within 300 s")
         full = full_state(model)  # a reference for the checks (a collective); not part of an update
         if save and rank == 0:
             torch.save(full, os.path.join(save, f"step{step}.pt"))
-        if rank == 0:
-            done.put((step, float(loss)))
     worker.stop()
     dist.destroy_process_group()
 
@@ -112,13 +112,14 @@ def start_controllers(tmp: str, ranks: int, world: int) -> tuple[list[subprocess
 class Offline:
     """vLLM in this process (`vllm.LLM`)."""
 
-    def __init__(self, model_dir: str, tp: int, workers: str, expert_parallel: bool = False, pp: int = 1) -> None:
+    def __init__(self, model_dir: str, tp: int, workers: str, expert_parallel: bool = False, pp: int = 1,
+                 staging: str = "inplace", pool_bytes: int = 1 << 20) -> None:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
                        max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
                        enable_expert_parallel=expert_parallel, weight_transfer_config={"backend": "reshard"})
-        self.llm.init_weight_transfer_engine({"init_info": {"controller": workers}})
+        self.llm.init_weight_transfer_engine({"init_info": {"controller": workers, "staging": staging, "pool_bytes": pool_bytes}})
         self.greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
 
     def update(self, step: int) -> str:
@@ -205,6 +206,9 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     ap.add_argument("--expert-parallel", action="store_true", help="vLLM places whole experts on ranks (MoE models)")
     ap.add_argument("--tp", type=int, default=2, help="vLLM's tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline parallel size (offline only)")
+    ap.add_argument("--staging", choices=["inplace", "shadow", "bounded"], default="inplace",
+                    help="how the vLLM ranks stage updates (offline only; bounded: through a pool of --pool-bytes)")
+    ap.add_argument("--pool-bytes", type=int, default=1 << 20)
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
     args = ap.parse_args()
@@ -229,7 +233,8 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
         for p in trainers:  # they build their model and attach while vLLM starts; they train when told to
             p.start()
         t0 = time.perf_counter()
-        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel, args.pp)
+        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel, args.pp,
+                                                                                        args.staging, args.pool_bytes)
         results["engine_start_seconds"] = time.perf_counter() - t0
         for _ in range(args.steps):
             for g in go:

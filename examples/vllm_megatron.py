@@ -51,13 +51,14 @@ def megatron_trainer(rank: int, world: int, port: int, workers: str, model_dir: 
                 sharded = getattr(p, "tensor_model_parallel", False)
                 g = torch.Generator().manual_seed(step * 100003 + i * 7 + (rank if sharded else 0))
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        if not worker.publish(step).wait(300):
+        handle = worker.publish(step)
+        if rank == 0:  # the driver asks vLLM for the step now: a bounded vLLM takes it inside update_weights
+            done.put((step, 0.0))
+        if not handle.wait(300):
             raise RuntimeError(f"trainer rank {rank}: step {step} was not taken within 300 s")
         full = full_state(model)  # Hugging Face names, for the checks (a collective)
         if save and rank == 0:
             torch.save(full, os.path.join(save, f"step{step}.pt"))
-        if rank == 0:
-            done.put((step, 0.0))
     worker.stop()
     dist.destroy_process_group()
 

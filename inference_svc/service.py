@@ -192,7 +192,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     @property
     def inplace(self) -> bool:
         """Whether a failed transfer tears what ranks serve: some worker receives in place."""
-        return any(w.hello.staging == "inplace" for w in self.hub.alive())
+        return any(w.hello.staging in ("inplace", "bounded") for w in self.hub.alive())
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         u = self.update
@@ -864,7 +864,7 @@ def _place(pieces: list[wpb.ReadPiece], region, reg, cv, dtype) -> list[pb.Versi
 
 async def serve(listen: str, workers: int, model: str, *, seed: int = 0, staging: str = "shadow", layout: str = "",
                 deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu",
-                worker_listen: str = "") -> int:
+                worker_listen: str = "", pool_bytes: int = 256 << 20) -> int:
     deadlines = deadlines or Deadlines()
     from reshard.common.control.hub import local_host
     from reshard.common.control.supervisor import RunDirError, run_file
@@ -881,7 +881,8 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, staging
 
     def command(addr: str, rank: int) -> list[str]:
         return module_command("reshard.inference_svc.standalone") + ["--controller", addr, "--rank", str(rank),
-                "--world", str(workers), "--model", model, "--seed", str(seed), "--staging", staging, "--device", device] + (
+                "--world", str(workers), "--model", model, "--seed", str(seed), "--staging", staging, "--device", device,
+                "--pool-bytes", str(pool_bytes)] + (
                     ["--layout", layout] if layout else [])
 
     async def watchdog() -> None:
@@ -900,7 +901,7 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, staging
 
 
 def main(listen: str, workers: int, model: str, seed: int, staging: str, deadlines: Deadlines, spawn_workers: bool = True,
-         layout: str = "", device: str = "cpu", worker_listen: str = "") -> int:
+         layout: str = "", device: str = "cpu", worker_listen: str = "", pool_bytes: int = 256 << 20) -> int:
     return run_main(lambda stop: serve(listen, workers, model, seed=seed, staging=staging, deadlines=deadlines, stop=stop,
                                        spawn_workers=spawn_workers, layout=layout, device=device,
-                                       worker_listen=worker_listen))
+                                       worker_listen=worker_listen, pool_bytes=pool_bytes))

@@ -29,7 +29,7 @@ CHECKPOINT = pb.Version(run="checkpoint", step=0)
 
 
 def make_worker(controller: str, rank: int, world: int, model: str, seed: int, staging: str, fault: dict,
-                layout_spec: str = "", device: str = "cpu") -> InferenceWorker:
+                layout_spec: str = "", device: str = "cpu", pool_bytes: int = 256 << 20) -> InferenceWorker:
     layout = build(model, layout_spec or f"framework=vllm,tp={world}")
     if layout.world != world:
         raise SystemExit(f"layout {layout_spec!r} has {layout.world} ranks, not {world}")
@@ -40,7 +40,7 @@ def make_worker(controller: str, rank: int, world: int, model: str, seed: int, s
             init_box(p.view(t), seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
         buffers[desc.name] = (desc, t)
     return InferenceWorker(controller, rank, world, layout.tensors, buffers, staging=staging, version=CHECKPOINT,
-                           model=model, fault=fault)
+                           model=model, fault=fault, pool_bytes=pool_bytes)
 
 
 def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: float = 0.01) -> None:
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=argparse.SUPPRESS)  # the earlier name of --staging: still taken, with a warning
     ap.add_argument("--layout", default="", help="layout spec, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all ranks)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")
+    ap.add_argument("--pool-bytes", type=int, default=256 << 20, help="staging bounded: the pool updates go through")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s")
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_device(a.device, a.rank)
     except ValueError as e:
         raise SystemExit(f"inference worker {a.rank}: {e}") from None
-    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, staging, fault, a.layout, a.device)
+    worker = make_worker(a.controller, a.rank, a.world, a.model, a.seed, staging, fault, a.layout, a.device, a.pool_bytes)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -5,7 +5,11 @@ shadow buffers while serving continues; at COMMIT the engine is paused at a step
 boundary, the shadow is copied into the live parameters (addresses stay put, so CUDA
 graphs stay valid), the commit hooks run, and serving resumes. In place (`inplace`):
 serving is paused for the whole transfer; if it fails, the worker reports NOT_SERVING
-until a full update succeeds."""
+until a full update succeeds. Bounded (`bounded`): no copy of the weights at all; the
+update is received through a pool of `pool_bytes` (inference_svc/pool.py), each group of
+buffers handed to `load` as soon as it has landed, serving paused for the whole update;
+verified at the end like the others, and a failure leaves what it loaded torn (NOT_SERVING
+until a full update succeeds)."""
 
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from reshard.common.control import faults
 from reshard.common.control.security import Security
 from reshard.common.control.worker import WorkerBase
 from reshard.common.dataplane.checksum import box_checksum
-from reshard.common.layout.core import Box, LocalBuffer, TensorSpec, dtype_of
+from reshard.common.layout.core import Box, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from reshard.common.plan.verify import check_rank
+from reshard.inference_svc.pool import DEFAULT_POOL_BYTES, BoundedStaging, LoadFn
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 
@@ -35,7 +40,7 @@ READ_CHUNK = 1 << 20  # bytes of one ReadPiece message: an intersection larger t
 READ_LOCK_TIMEOUT = 5.0  # a read back waits at most this long for a commit's copy to end
 READ_RETRIES = 8  # copies of a region a read back makes while commits overlap it
 READ_WAIT_S = 0.002  # between looks at a commit in progress
-STAGINGS = ("shadow", "inplace")  # how a worker stages an update (InferenceWorker(staging=...), Hello.staging)
+STAGINGS = ("shadow", "inplace", "bounded")  # how a worker stages an update (InferenceWorker(staging=...), Hello.staging)
 _mode_warned = False
 
 
@@ -58,9 +63,15 @@ class InferenceWorker(WorkerBase):
                  pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None,
                  commit_hooks: tuple[Callable[[pb.Version], None], ...] = (), version: pb.Version | None = None,
                  model: str = "", fault: dict[str, float] | None = None, security: Security | None = None,
-                 mode: str | None = None) -> None:
-        """`staging`: "shadow" (the default) or "inplace" (see the module doc). `mode` is its deprecated
-        earlier name (a DeprecationWarning, once)."""
+                 mode: str | None = None, pool_bytes: int = DEFAULT_POOL_BYTES, load: LoadFn | None = None,
+                 load_groups: dict[str, str] | None = None, device: str | None = None) -> None:
+        """`staging`: "shadow" (the default), "inplace" or "bounded" (see the module doc). `mode` is its
+        deprecated earlier name (a DeprecationWarning, once). Bounded staging only: `pool_bytes`, the
+        pool it receives through; `load(tensors)`, which loads a complete group of buffers (name ->
+        tensor, valid during the call) into the engine (default: copied into the buffers given here);
+        `load_groups`, buffer name -> the group it loads with (default: each buffer alone); `device`, where
+        the engine's weights live when the buffers given are meta tensors (bounded staging with a `load`:
+        the engine holds the weights, this worker no copy of them)."""
         if mode is not None:
             _warn_mode()
             if staging is not None and staging != mode:
@@ -68,15 +79,30 @@ class InferenceWorker(WorkerBase):
             staging = mode
         staging = "shadow" if staging is None else staging
         if staging not in STAGINGS:
-            raise ValueError(f"staging must be 'shadow' or 'inplace', not {staging!r}")
+            raise ValueError(f"staging must be one of {', '.join(STAGINGS)}, not {staging!r}")
         super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, security=security)
         self.staging = staging
+        self.holds_copy = self.device != "meta"  # False: the engine holds the weights (bounded, meta buffers)
+        if not self.holds_copy:
+            if staging != "bounded" or load is None or device is None:
+                raise ValueError("meta buffers (no copy of the weights) need staging='bounded', a load function and device=")
+            from reshard.common.dataplane.backend import device_uuid
+            from reshard.common.dataplane.engine import StagingPool
+
+            self.device, self.device_uuid = device, device_uuid(device)
+            self._pool = StagingPool(self.device)
+        elif device is not None and device != self.device:
+            raise ValueError(f"device={device!r}, but the buffers are on {self.device}")
         self.pause_hook, self.resume_hook, self.commit_hooks = pause, resume, tuple(commit_hooks)
         self.version = version
         # Allocated once, as a copy of the live weights: a partial update (and padding, which no
         # update writes) commits what the shadow holds for what it does not carry.
         self.shadow = {n: t.clone() for n, t in self.live.items()} if staging == "shadow" else None
+        self.bounded = BoundedStaging(self.descs, self.shapes, self.device, pool_bytes, load_groups) \
+            if staging == "bounded" else None
+        self._load = load or self._load_into_live
         self._serving = threading.Lock()
+        self._paused = False  # the engine is paused by this worker (it holds _serving)
         self._committed = threading.Condition()
         self.serving_ok = True  # False while any tensor is torn (an in-place update failed midway)
         self.torn: set[str] = set()  # tensors a failed in-place update left half-written
@@ -151,12 +177,22 @@ class InferenceWorker(WorkerBase):
     def _pause(self) -> None:
         self._serving.acquire()
         if self.pause_hook:
-            self.pause_hook()
+            try:
+                self.pause_hook()
+            except BaseException:
+                self._serving.release()
+                raise
+        self._paused = True
 
     def _resume(self) -> None:
-        if self.resume_hook:
-            self.resume_hook()
-        self._serving.release()
+        if not self._paused:  # never paused (a pause hook that failed), or resumed already
+            return
+        self._paused = False
+        try:
+            if self.resume_hook:
+                self.resume_hook()
+        finally:
+            self._serving.release()
 
     @property
     def mode(self) -> str:
@@ -164,23 +200,88 @@ class InferenceWorker(WorkerBase):
         _warn_mode()
         return self.staging
 
+    def _pauses(self) -> bool:
+        """Whether this staging overwrites what the engine serves during the transfer."""
+        return self.staging in ("inplace", "bounded")
+
     def before_transfer(self, p: wpb.Prepare) -> None:
+        if self.bounded is not None:
+            self._check_bounded(p)
         self.updating = True
         self._carrying = set(p.tensors) if p.tensors else None
-        if self.staging == "inplace":
+        self.transfer_deadline = time.monotonic() + max(0.0, p.timeout_s)  # what a pause hook may wait, at most
+        if self._pauses():
             self._pause()
             self.serving_ok = False  # live weights are about to be overwritten
+        if self.bounded is not None:
+            self.bounded.begin(self.prepared(p.update_id)[0], self.rank, self._load)
+
+    def _check_bounded(self, p: wpb.Prepare) -> None:
+        """What bounded staging cannot take, refused before anything moves (the update fails with it)."""
+        if p.method and p.method != "reshard":
+            raise LayoutError(f"inference rank {self.rank} stages bounded: transfer method {p.method!r} writes whole "
+                              "models at once; use the reshard method")
+        if p.session.transport in ("ipc", "hybrid"):
+            raise LayoutError(f"inference rank {self.rank} stages bounded: a {p.session.transport} session writes "
+                              "its buffers directly; stage inplace or shadow with workers sharing a GPU")
+        if p.tensors:
+            carried = set(p.tensors)
+            for name, desc in self.descs.items():
+                held = {q.tensor for q in desc.pieces}
+                if held & carried and not held <= carried:
+                    other = sorted(held - carried)[0]
+                    raise LayoutError(f"inference rank {self.rank} stages bounded and loads whole buffers: buffer "
+                                      f"{name!r} also holds {other!r}, which this partial update does not carry "
+                                      "(carry it too, or stage inplace or shadow)")
+            for group, names in self.bounded.members.items():
+                hit = [n for n in names if any(q.tensor in carried for q in self.descs[n].pieces)]
+                if hit and len(hit) < len(names):
+                    other = sorted({q.tensor for n in names if n not in hit for q in self.descs[n].pieces})[0]
+                    raise LayoutError(f"inference rank {self.rank} stages bounded and loads whole modules: {group!r} "
+                                      f"also holds {other!r}, which this partial update does not carry (carry it too, "
+                                      "or stage inplace or shadow)")
 
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
+        if self.bounded is not None:
+            return self.bounded
         return self.shadow if self.shadow is not None else self.live
+
+    def after_round(self, rnd: int) -> None:
+        if self.bounded is not None:
+            self.bounded.round_done(rnd)  # load what completed, free its space
+
+    def received_sums(self, sums: dict) -> dict:
+        if self.bounded is not None:
+            return {**sums, **self.bounded.finish()}  # taken as each buffer completed, before its space went
+        return sums
+
+    def sums_as_landed(self) -> bool:
+        return self.bounded is None  # bounded: the pool sums each buffer when complete (its space is reused)
+
+    def _load_into_live(self, tensors: dict[str, torch.Tensor]) -> None:
+        for n, t in tensors.items():
+            self.live[n].copy_(t)
+
+    def memory_report(self) -> dict[str, int]:
+        rep = super().memory_report()
+        if self.bounded is not None:
+            rep["pool"] = self.bounded.pool_bytes
+            rep["pool_high_water"] = self.bounded.high_water
+            rep["pool_overflow"] = self.bounded.overflow_bytes
+        return rep
 
     def on_abort(self, update_id: str) -> None:
         if self._verifying == update_id:
             self._verifying = ""  # aborted by the controller: it tells every rank what to serve
-        if self.updating and self.staging == "inplace":
-            # What it carried may be half-written: not served until an update carries it again.
-            self.torn |= set(self.tensors) if self._carrying is None else self._carrying
-            self.serving_ok = False
+        if self.updating and self._pauses():
+            # What it carried may be half-written: not served until an update carries it again. Bounded:
+            # only what it began to load into the engine (the rest never left the pool).
+            if self.bounded is not None:
+                self.torn |= {p.tensor for n in self.bounded.touched_buffers() for p in self.descs[n].pieces}
+                self._dp.submit(self.bounded.release)  # after the data-plane thread let go of the update
+            else:
+                self.torn |= set(self.tensors) if self._carrying is None else self._carrying
+            self.serving_ok = not self.torn
             self._resume()
         if self.updating and self.shadow is not None:
             # The shadow may hold part of the failed version: bring it back to the live weights,
@@ -246,7 +347,7 @@ class InferenceWorker(WorkerBase):
                 self.version = pb.Version(run=version.run, step=version.step)
                 for key in [k for k in self.failures if k[0] == version.run and k[1] <= version.step]:
                     del self.failures[key]  # a retry of a failed version made it
-                if self.staging == "inplace":  # what this update carried is whole again; the rest may not be
+                if self._pauses():  # what this update carried is whole again; the rest may not be
                     self.torn = set() if self._carrying is None else self.torn - self._carrying
                 self.serving_ok = not self.torn
                 self.held = False  # every rank of the deployment commits this version
@@ -293,15 +394,18 @@ class InferenceWorker(WorkerBase):
         return out
 
     def _refuse_inplace(self) -> None:
-        if self.updating and self.staging == "inplace":
-            raise RuntimeError(f"inference rank {self.rank} is receiving an update in place: its weights are being "
-                               "overwritten and cannot be read back until the update ends")
+        if self.updating and self._pauses():
+            raise RuntimeError(f"inference rank {self.rank} is receiving an update in place ({self.staging}): its weights "
+                               "are being overwritten and cannot be read back until the update ends")
 
     def _read(self, r: wpb.Read, cid: int) -> None:
         """Copy the region's intersections with this rank's boxes, then send them. No lock: a seqlock on
         the commit generation (odd while `_commit` copies shadow -> live and sets the version). A copy
         that overlapped a commit is made again, so a region is never torn and its version is the one
         it was copied under."""
+        if not self.holds_copy:
+            raise RuntimeError(f"inference rank {self.rank} stages bounded and holds no copy of its weights (the engine "
+                               "does): read them back from the engine, or stage inplace or shadow")
         self._refuse_inplace()
         region = self._read_region(r)
         views = self._read_views(r.tensor, region)

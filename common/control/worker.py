@@ -501,6 +501,17 @@ class WorkerBase:
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.live
 
+    def after_round(self, rnd: int) -> None:
+        """On the data-plane thread, after this rank's `rnd`-th round of bytes landed (a subclass's hook)."""
+
+    def sums_as_landed(self) -> bool:
+        """Whether the engine sums what a destination receives as it lands (VERIFY compares those)."""
+        return True
+
+    def received_sums(self, sums: dict) -> dict:
+        """The sums VERIFY compares, from what the transfer returned (a subclass may add its own)."""
+        return sums
+
     async def _transfer(self, p: wpb.Prepare, plan: Plan, src: Layout, dst: Layout) -> None:
         loop = asyncio.get_running_loop()
         done = wpb.TransferDone(update_id=p.update_id)
@@ -512,7 +523,7 @@ class WorkerBase:
             if self.side == "src" and sums:  # a source rank's sums per destination piece, as (slot, value) pairs
                 done.checksums.CopyFrom(sender_report(plan, sums, strict=not p.method or p.method == RESHARD))
             elif self.side == "dst":  # what landed, summed as it landed: VERIFY compares these
-                self._landed = (p.update_id, sums)
+                self._landed = (p.update_id, self.received_sums(sums))
         except Exception as e:  # noqa: BLE001
             log.warning("%s worker %d: transfer of %s failed: %s", self.role, self.rank, p.update_id, e)
             self._drop_session(p.update_id)
@@ -610,6 +621,7 @@ class WorkerBase:
                     time.sleep(0.05)
             if p.update_id in self._aborted:
                 raise TransportError(transport.aborted or f"update {p.update_id} aborted")
+            self.after_round(rnd)
 
         if p.method and p.method != RESHARD:  # a tool's method (checked known at prepare)
             if not transport.moves_messages_between_all_pairs:
@@ -621,7 +633,8 @@ class WorkerBase:
         # Whatever the session's backend: its transport moves this rank's share (gloo and NCCL by messages,
         # through the engine; CUDA IPC and hybrid sessions their own way).
         return transport.run_update(RankUpdate(p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst,
-                                               self._pool, deadline, connected=connected, progress=progress, hook=hook))
+                                               self._pool, deadline, connected=connected, progress=progress, hook=hook,
+                                               sums_as_landed=self.sums_as_landed()))
 
     def prepared(self, update_id: str) -> tuple[Plan, Layout]:
         """The plan and destination layout of the update this rank prepared last."""

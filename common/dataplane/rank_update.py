@@ -38,10 +38,11 @@ class RankUpdate:
     connected: Callable[[], None] = _nothing  # called once the session reaches every peer this rank needs
     progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total) of this rank's share
     hook: Callable[[int], None] | None = None  # after each round of bytes (fault injection, aborts)
+    sums_as_landed: bool = True  # a destination sums what lands as it lands (bounded staging sums per buffer itself)
 
     def engine(self, transport: Transport, **extra) -> Engine:
         """The engine that runs this rank's share over `transport` by messages (`extra`: a hybrid
         host's `guests`): a source sums what it sends, a destination what lands."""
         return Engine(transport, self.plan, self.side, self.rank, self.buffers, self.shapes, self.pool, self.deadline,
                       progress=self.progress, checksums=self.side == "src", hook=self.hook,
-                      receiver_sums=self.side == "dst", **extra)
+                      receiver_sums=self.side == "dst" and self.sums_as_landed, **extra)

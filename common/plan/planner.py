@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import heapq
 import math
+import re
 import zlib
 from collections import defaultdict
 from collections.abc import Mapping
@@ -711,8 +712,10 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
     S, T, buffer_names = _tables(src, dst)
     check_compatible(src, dst, tensors)
+    # Destination buffers in natural order (layers.2 before layers.10), which every pair and the
+    # relays follow: buffers complete in about model order, what bounded staging relies on.
     name_rank = np.empty(len(buffer_names), dtype=np.int64)
-    name_rank[np.argsort(np.array(buffer_names, dtype=object), kind="stable")] = np.arange(len(buffer_names))
+    name_rank[sorted(range(len(buffer_names)), key=lambda i: _natural_key(buffer_names[i]))] = np.arange(len(buffer_names))
     D = max(S.D, T.D)
     s_off, s_size, s_strides = (fit_width(a, D, f) for a, f in ((S.p_off, 0), (S.p_size, 1), (S.p_strides, 0)))
     d_off, d_size, d_strides = (fit_width(a, D, f) for a, f in ((T.p_off, 0), (T.p_size, 1), (T.p_strides, 0)))
@@ -821,6 +824,12 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     digest = _digest(tensors, Mm, G, T.tensor_names, buffer_names, layouts_hash.digest())
     return Plan(src.world, dst.world, num_rounds, digest, Mm, G, T.tensor_names, buffer_names, primary_of, T, subset,
                 {r: sorted(b) for r, b in relayed.items()})
+
+
+def _natural_key(name: str) -> tuple:
+    """`model.layers.10.x` -> ('model.layers.', 10, '.x'): numbers compare as numbers."""
+    parts = re.split(r"(\d+)", name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
 
 
 def _after_busy(start: np.ndarray, ranks: tuple[int, ...], busy: dict[int, int]) -> np.ndarray:

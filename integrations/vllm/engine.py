@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import warnings
 
@@ -65,8 +66,12 @@ class ReshardInitInfo(WeightTransferInitInfo):
     """Default seconds an `update_weights` waits for its version."""
     staging: str = ""
     """`inplace` (the default: one staging copy; a failed transfer leaves it torn until a full update,
-    while vLLM serves what it loaded) or `shadow` (two copies: the staging copy always holds the
-    last committed version)."""
+    while vLLM serves what it loaded), `shadow` (two copies: the staging copy always holds the
+    last committed version) or `bounded` (no copy: the update is received through a pool of
+    `pool_bytes` while vLLM is inside `update_weights`, each module loaded as soon as it arrived;
+    a failed transfer leaves the modules it loaded torn until a full update)."""
+    pool_bytes: int = 256 << 20
+    """Bounded staging: the pool an update is received through, bytes."""
     run: str = ""
     """The training run whose versions this deployment takes; empty: the trainer's."""
     mode: str = ""
@@ -82,6 +87,8 @@ class ReshardInitInfo(WeightTransferInitInfo):
         self.staging = self.staging or "inplace"
         if self.staging not in STAGINGS:
             raise ValueError(f"the reshard init info's staging must be one of {', '.join(STAGINGS)}, not {self.staging!r}")
+        if self.pool_bytes < 1 << 20:
+            raise ValueError(f"the reshard init info's pool_bytes must be at least 1 MiB, not {self.pool_bytes}")
 
 
 @dataclasses.dataclass
@@ -151,23 +158,33 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             self.shutdown()
         self.info = info
         self.layout = layout = rank_layout(self.model)
+        bounded = info.staging == "bounded"
         live = {}
-        for b in layout.buffers:
-            live[b.name] = self._initial(b)
+        for b in layout.buffers:  # bounded: no copy (meta tensors), vLLM's own parameters hold the weights
+            live[b.name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype), device="meta") if bounded else self._initial(b)
         security = Security.from_env(**({"ca": info.tls_ca} if info.tls_ca else {}))
         if info.token:
             security = dataclasses.replace(security, tokens=(("worker", info.token),))
+        extra = {}
+        if bounded:
+            extra = dict(pool_bytes=info.pool_bytes, load=self._load_group, load_groups=self._module_groups(),
+                         device=str(torch.device(self.device)), pause=self._await_update_call, resume=self._end_reload)
+        self._update_called = threading.Event()  # bounded: vLLM is inside update_weights (generation paused)
+        self._reloading = False
         self.worker = _Worker(info.controller, self.rank, self.world, layout.tensors,
                               {b.name: (b, live[b.name]) for b in layout.buffers}, staging=info.staging,
-                              model=type(self.model).__name__, security=security).start()
+                              model=type(self.model).__name__, security=security, **extra).start()
         if not self.worker.wait_connected(info.connect_timeout):
             err = self.worker.last_error
             self.worker.stop()
             self.worker = None
             raise RuntimeError(f"vLLM rank {self.rank}: the reshard inference controller at {info.controller} did not "
                                f"accept this rank within {info.connect_timeout:.0f}s" + (f": {err}" if err else ""))
-        log.info("vLLM rank %d/%d attached to %s: %d buffers, %.1f MB", self.rank, self.world, info.controller,
-                 len(layout.buffers), sum(b.nbytes for b in layout.buffers) / 1e6)
+        weights = sum(b.nbytes for b in layout.buffers)
+        extra_bytes = {"inplace": weights, "shadow": 2 * weights, "bounded": info.pool_bytes}[info.staging]
+        log.info("vLLM rank %d/%d attached to %s: %d buffers, %.1f MB; %s staging holds %.1f MB more (%.0f%% of its "
+                 "weights)", self.rank, self.world, info.controller, len(layout.buffers), weights / 1e6, info.staging,
+                 extra_bytes / 1e6, 100 * extra_bytes / max(1, weights))
 
     def start_weight_update(self) -> None:
         self._need_worker()
@@ -177,7 +194,11 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         timeout = info.timeout or self.info.timeout
         run = info.run or self.info.run or None
         t_wait = time.perf_counter()
-        version = w.wait_for_version(max(info.step, 0), run, timeout)
+        self._update_called.set()  # bounded: the transfer may load into the model from now on
+        try:
+            version = w.wait_for_version(max(info.step, 0), run, timeout)
+        finally:
+            self._update_called.clear()
         t_wait = time.perf_counter() - t_wait
         failed = w.failure(max(info.step, 0), run) if version is None else None
         if failed is not None:
@@ -197,7 +218,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
                 raise RuntimeError(f"vLLM rank {self.rank}: step {info.step} was superseded by step {v.step} before "
                                    f"vLLM asked for it; ask for step {v.step} (or -1: the newest)")
             t0 = time.perf_counter()
-            n = self._load(w.dirty)
+            n = self._load(w.dirty) if w.holds_copy else 0  # bounded: each module was loaded as it arrived
             w.dirty = set()
             self.loaded = (v.run, v.step)
         self.last_load_seconds = time.perf_counter() - t0
@@ -230,13 +251,85 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             self.known.add(b.name)
         return t
 
+    # -- bounded staging: modules loaded as they arrive, inside update_weights -----------------
+    def _module_groups(self) -> dict[str, str]:
+        """Buffer -> its load group: the modules that share buffers (tied weights) load together."""
+        parent: dict[str, str] = {}
+
+        def find(x: str) -> str:
+            while parent.setdefault(x, x) != x:
+                x = parent[x]
+            return x
+
+        for t in self.layout.targets:
+            parent[find("b:" + t.buffer)] = find("m:" + t.module)
+        return {b.name: find("b:" + b.name) for b in self.layout.buffers}
+
+    def _await_update_call(self) -> None:
+        """Bounded: the transfer writes into vLLM's model, so it waits until vLLM is inside
+        `update_weights` (generation paused), within the update's deadline."""
+        w = self.worker
+        left = w.transfer_deadline - time.monotonic() if w is not None else 0.0
+        if not self._update_called.wait(max(0.0, left)):
+            raise RuntimeError(f"vLLM rank {self.rank} stages bounded: vLLM did not call update_weights before the "
+                               "update's deadline (a bounded transfer loads into the model, so it waits for that call)")
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with torch.no_grad():
+            initialize_layerwise_reload(self.model)
+        self._reloading = True
+        self._touched_moe = []
+
+    @torch.no_grad()
+    def _load_group(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Bounded: load a complete group of buffers (the modules that hold them) into the model."""
+        mods = list(dict.fromkeys(t.module for t in self.layout.targets if t.buffer in tensors))
+        self._touched_moe += self._load_modules(mods, tensors)
+
+    def _end_reload(self) -> None:
+        """Bounded, at commit or abort: vLLM's reload is finished (modules not loaded get their
+        kernel weights back); generation may resume."""
+        if not self._reloading:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self._reloading = False
+        with torch.no_grad():
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._prepack(self._touched_moe)
+
+    def _load_modules(self, modules: list[str], staged) -> list:
+        """Load each module's buffers from `staged` (buffer -> tensor) through vLLM's layerwise reload
+        (begun by the caller): materialize, copy, process. Returns the MoE layers loaded."""
+        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        by_module: dict[str, list] = {}
+        for t in self.layout.targets:
+            by_module.setdefault(t.module, []).append(t)
+        moe = []
+        for m in modules:
+            layer = self.model.get_submodule(m)
+            info = get_layerwise_info(layer)
+            materialize_layer(layer, info)
+            for t in by_module[m]:
+                getattr(layer, t.param).data.copy_(staged[t.buffer])
+                self.known.add(t.buffer)
+            _layerwise_process(layer, info)
+            if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:
+                moe.append(layer)
+        return moe
+
+    def _prepack(self, moe_layers: list) -> None:
+        for layer in moe_layers if torch.device(self.device).type == "cpu" else ():
+            # vLLM's CPU MoE skips its prepack on a reload (0.32): redo it for the layers loaded
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
     @torch.no_grad()
     def _load(self, dirty: set[str] | None) -> int:
         """Load the staged weights of every module holding a tensor in `dirty` (None: all)
         through vLLM's layerwise reload; on failure every module gets its kernel weights back."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         layout, staged = self.layout, self.worker.live
         bufs = {b.name: b for b in layout.buffers}
@@ -252,22 +345,11 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         if unknown:
             raise RuntimeError(f"vLLM rank {self.rank}: a partial update reached module(s) whose other weights "
                                f"reshard never received, e.g. {unknown[0]!r}: send a full update first")
-        touched_moe = []
         initialize_layerwise_reload(self.model)
+        touched_moe = []
         try:
-            for m in todo:
-                layer = self.model.get_submodule(m)
-                info = get_layerwise_info(layer)
-                materialize_layer(layer, info)
-                for t in by_module[m]:
-                    getattr(layer, t.param).data.copy_(staged[t.buffer])
-                    self.known.add(t.buffer)
-                _layerwise_process(layer, info)
-                if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:
-                    touched_moe.append(layer)
+            touched_moe = self._load_modules(todo, staged)
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
-        for layer in touched_moe if torch.device(self.device).type == "cpu" else ():
-            # vLLM's CPU MoE skips its prepack on a reload (0.32): redo it for the layers loaded
-            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        self._prepack(touched_moe)
         return len(todo)

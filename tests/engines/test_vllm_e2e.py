@@ -49,6 +49,9 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     # Mixtral with --expert-parallel is not here: vLLM's CPU build crashes in its own fused-MoE kernel
     # under expert parallelism (with or without reshard); test_vllm_moe_layout.py checks that layout.
     pytest.param("vllm_fsdp2.py", "llama", ("--server",), marks=pytest.mark.slow, id="fsdp2-llama-server"),  # a vLLM server driven over HTTP
+    # bounded staging: no copy of the weights, each module loaded through a 1 MiB pool inside update_weights
+    pytest.param("vllm_fsdp2.py", "llama", ("--staging", "bounded", "--pool-bytes", str(1 << 20)), marks=pytest.mark.slow,
+                 id="fsdp2-llama-bounded"),
     pytest.param("vllm_megatron.py", "llama-gqa", (), marks=pytest.mark.slow, id="megatron-llama"),  # a Megatron-core trainer
 ])
 def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):

@@ -22,7 +22,7 @@ def test_init_info_takes_staging_and_its_deprecated_name_mode(monkeypatch, caplo
         assert engine.ReshardInitInfo(controller="c", mode="inplace", staging="inplace").staging == "inplace"
     with pytest.raises(ValueError, match="disagree"):
         engine.ReshardInitInfo(controller="c", staging="inplace", mode="shadow")
-    with pytest.raises(ValueError, match="staging must be one of shadow, inplace, not 'both'"):
+    with pytest.raises(ValueError, match="staging must be one of shadow, inplace, bounded, not 'both'"):
         engine.ReshardInitInfo(controller="c", staging="both")
 
 
@@ -45,3 +45,13 @@ def test_deployment_rank_numbers_every_replica_and_stage_once():
     assert seen == set(range(12))
     with pytest.raises(RuntimeError, match="outside the deployment"):
         deployment_rank(SimpleNamespace(world_size=2, rank=2, data_parallel_index=0, data_parallel_size=1))
+
+
+def test_bounded_takes_a_pool_of_at_least_a_mebibyte():
+    from reshard.integrations.vllm import engine
+
+    info = engine.ReshardInitInfo(controller="c", staging="bounded", pool_bytes=64 << 20)
+    assert (info.staging, info.pool_bytes) == ("bounded", 64 << 20)
+    assert engine.ReshardInitInfo(controller="c").pool_bytes == 256 << 20
+    with pytest.raises(ValueError, match="pool_bytes must be at least 1 MiB"):
+        engine.ReshardInitInfo(controller="c", staging="bounded", pool_bytes=4096)
