@@ -3,18 +3,29 @@
 A trainer holding a Hugging Face model (plain, FSDP2, tensor parallel) names its parameters
 canonically already, up to the wrapper prefixes that torch.compile, activation checkpointing
 and FSDP1 insert. Serving engines fuse some of them (vLLM's `qkv_proj` holds q, k and v;
-`gate_up_proj` holds gate and up): `FUSED` says which, in the order they are stacked."""
+`gate_up_proj` holds gate and up; DeepSeek's MLA `fused_qkv_a_proj` holds `q_a_proj` and
+`kv_a_proj_with_mqa`): `FUSED` says which, in the order they are stacked."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-# Fused module -> the canonical modules it stacks along its output rows, in order
-# (vLLM's `packed_modules_mapping` of its Llama-family models says the same).
+# Fused module -> the canonical modules it stacks along its output rows, in order (what vLLM's
+# `packed_modules_mapping` says for its Llama-family, Qwen-MoE and DeepSeek-V2/V3 models; a live
+# vLLM model's own mapping is read too, and wins: `fused_names`).
 FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # MLA with q_lora_rank: replicated on every TP rank
 }
+
+
+def fused_names(packed: Mapping[str, list[str] | tuple[str, ...]] | None) -> dict[str, tuple[str, ...]]:
+    """`FUSED`, updated by a vLLM model's `packed_modules_mapping` (None: `FUSED` alone)."""
+    out = dict(FUSED)
+    for k, v in (packed or {}).items():
+        out[k] = tuple(v)
+    return out
 
 # Stacked experts: vLLM's parameter of a fused-MoE module -> the canonical (transformers) tensor it
 # holds, and how: `w13_weight` [local experts, 2 * I / tp, H] holds this rank's rows of the gate

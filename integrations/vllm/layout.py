@@ -7,14 +7,28 @@ tensors it holds:
 
 - `QKVParallelLinear`: this rank's query heads, then its KV heads (the KV shard
   `tp_rank // num_kv_head_replicas`: KV heads are replicated when TP exceeds them);
-- `MergedColumnParallelLinear` (`gate_up_proj`): this rank's rows of each stacked tensor;
-- `ColumnParallelLinear` / `RowParallelLinear`: rows / columns of rank `tp_rank`;
+- `MergedColumnParallelLinear` (`gate_up_proj`, a shared expert's too): this rank's rows of
+  each stacked tensor; one built with `disable_tp` (DeepSeek MLA's `fused_qkv_a_proj`: q_a_proj,
+  then kv_a_proj_with_mqa) or a merged `ReplicatedLinear`, every row of each. The stacked
+  tensors' names come from the model's `packed_modules_mapping`, else `names.FUSED`;
+- `ColumnParallelLinear` / `RowParallelLinear`: rows / columns of rank `tp_rank` (MLA's
+  `q_b_proj` and `kv_b_proj`: whole heads; `o_proj`: their columns);
 - `VocabParallelEmbedding`, `ParallelLMHead`: this rank's vocabulary rows; the rows that pad
   the vocabulary to a multiple are padding;
-- anything else (norms, `ReplicatedLinear`): the whole tensor.
+- anything else (norms, `ReplicatedLinear`: MoE gates, Qwen2-MoE's `shared_expert_gate`): the
+  whole tensor.
 
-A parameter shared by two modules (tied embeddings: `lm_head` holds `embed_tokens`'s weight)
-is one buffer; both modules are targets of it, since each derives its own kernel data."""
+Which parameters are loadable is vLLM's own record (`record_metadata_for_reloading`, taken when
+the model is built, before any weight): each in the shape it was recorded in. vLLM leaves two
+kinds out of that record by design and loads them into the live tensor, so they are read live:
+linear biases (`qkv_proj.bias` of Qwen2 models) and a MoE gate's `e_score_correction_bias`
+(DeepSeek-V3's `noaux_tc` routing). A parameter that appeared after the record was derived by
+vLLM from loaded weights (MLA's `W_UK_T` and `W_UV`, from `kv_b_proj`, which vLLM's reload
+derives again): it is no buffer, and `RankLayout.derived` names it.
+
+A parameter shared by two modules (tied embeddings: `lm_head` holds `embed_tokens`'s weight; a
+DeepSeek gate's `e_score_correction_bias`, which its experts module holds too) is one buffer;
+both modules are targets of it, since each derives its own kernel data."""
 
 from __future__ import annotations
 
@@ -23,7 +37,11 @@ import dataclasses
 import torch
 
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
-from reshard.integrations.names import MOE_STACKED, unfused, vllm_module_name
+from reshard.integrations.names import FUSED, MOE_STACKED, fused_names, unfused, vllm_module_name
+
+# Parameters vLLM's record for reloading leaves out by design (`reload.meta.SKIP_TENSORS`) that
+# checkpoints hold: its loaders write them into the live tensor.
+LOADED_LIVE = ("bias", "e_score_correction_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +58,7 @@ class RankLayout:
     tensors: dict[str, TensorSpec]
     buffers: list[LocalBuffer]
     targets: list[Target]
+    derived: list[str] = dataclasses.field(default_factory=list)  # live parameters vLLM derives, not loads
 
     def modules(self) -> list[str]:
         return list(dict.fromkeys(t.module for t in self.targets))
@@ -49,17 +68,30 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _loadable_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's own parameters in the shape its weight loaders write (meta tensors recorded
-    at load time for vLLM's layerwise reload), else the live ones."""
+def _loadable_params(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(the module's own parameters in the shape its weight loaders write, the names of those it
+    has that vLLM derived after loading). The shapes are the meta tensors vLLM recorded when it
+    built the model (for its layerwise reload); a parameter it leaves out of that record by
+    design (`LOADED_LIVE`) is loaded in place, so it is read live; any other that is not in the
+    record was made by vLLM's processing after loading. A module vLLM recorded nothing of (not
+    built by vLLM's loader): its live parameters."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     info = LAYERWISE_INFO.get(module)
-    recorded = info.restore_metadata[0] if info is not None else {}
     live = {n: p for n, p in module.named_parameters(recurse=False) if p is not None}
-    if recorded:
-        return {n: t for n, t in recorded.items() if n in live}
-    return live
+    if info is None:
+        return live, []
+    recorded = info.restore_metadata[0]
+    out = {n: t for n, t in recorded.items() if n in live}
+    derived = []
+    for n, p in live.items():
+        if n in recorded:
+            continue
+        if n in LOADED_LIVE:
+            out[n] = p
+        else:
+            derived.append(n)
+    return out, derived
 
 
 def _rows(tensor: str, buf_row: int, row: int, rows: int, rest: tuple[int, ...]) -> Piece:
@@ -85,6 +117,9 @@ def _expert_runs(module: torch.nn.Module) -> list[tuple[int, int, int]]:
 def _expert_pieces(cname: str, module: torch.nn.Module, pname: str, shape: tuple[int, ...], add: callable) -> list[Piece]:
     """Stacked experts (see `names.MOE_STACKED`), under TP (intermediate split) or EP (experts split)."""
     cfg = module.moe_config
+    if getattr(getattr(module, "expert_map_manager", None), "num_fused_shared_experts", 0):
+        raise LayoutError(f"{cname}.{pname}: shared experts fused into the routed experts' tensors (ROCm AITER) are "
+                          "not supported")
     tp_rank, ip = cfg.tp_rank, module.intermediate_size_per_partition
     e, hidden, inter = module.global_num_experts, module.hidden_size, module.intermediate_size_per_partition * cfg.tp_size
     tensor = f"{cname}.{MOE_STACKED[pname]}"
@@ -106,14 +141,28 @@ def _expert_pieces(cname: str, module: torch.nn.Module, pname: str, shape: tuple
     return pieces
 
 
+def _parts(mname: str, fused: dict[str, tuple[str, ...]], n: int, default: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The canonical module names of a fused module of `n` parts, in the order they are stacked."""
+    last = mname.rpartition(".")[2]
+    parts = fused.get(last, default)
+    if parts is None or len(parts) != n:
+        raise LayoutError(f"{mname}: a fused module of {n} parts with no canonical names "
+                          "(add it to reshard.integrations.names.FUSED)")
+    if last in parts:
+        raise LayoutError(f"{mname}: the model's packed_modules_mapping says the checkpoint holds it fused "
+                          f"({last} -> {list(parts)}): not supported")
+    return unfused(mname, {last: parts})
+
+
 def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[int, ...],
-                  add: callable) -> tuple[list[Piece], list[Box]]:
+                  add: callable, fused: dict[str, tuple[str, ...]] = FUSED) -> tuple[list[Piece], list[Box]]:
     """(pieces, padding) of one parameter; `mname` is the module's canonical name; `add(name,
-    shape)` declares a canonical tensor."""
+    shape)` declares a canonical tensor; `fused` names the parts of fused modules."""
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
         QKVParallelLinear,
+        ReplicatedLinear,
         RowParallelLinear,
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -123,7 +172,7 @@ def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[
     tp_size, tp_rank = getattr(module, "tp_size", 1), getattr(module, "tp_rank", 0)
     rest = shape[1:]
     if isinstance(module, QKVParallelLinear):
-        q, k, v = unfused(mname, {mname.rpartition(".")[2]: ("q_proj", "k_proj", "v_proj")})
+        q, k, v = _parts(mname, fused, 3, ("q_proj", "k_proj", "v_proj"))
         d, dv = module.head_size, module.v_head_size
         nq, nkv = module.num_heads, module.num_kv_heads
         kv_shard = tp_rank // module.num_kv_head_replicas
@@ -136,14 +185,16 @@ def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[
             pieces.append(_rows(f"{name}.{pname}", at, row, rows, rest))
             at += rows
         return pieces, []
-    if isinstance(module, MergedColumnParallelLinear):
-        names = unfused(mname)
-        if names is None or len(names) != len(module.output_sizes):
-            raise LayoutError(f"{mname}: a fused module of {len(module.output_sizes)} parts with no canonical names "
-                              "(add it to reshard.integrations.names.FUSED)")
+    sizes = getattr(module, "output_sizes", None)
+    replicated = isinstance(module, ReplicatedLinear)
+    if isinstance(module, MergedColumnParallelLinear) or (replicated and sizes and len(sizes) > 1):
+        names = _parts(mname, fused, len(sizes))
+        split = 1 if replicated else tp_size  # `disable_tp` sets tp_size 1, tp_rank 0
+        if split == 1:
+            tp_rank = 0
         pieces, at = [], 0
-        for name, total in zip(names, module.output_sizes):
-            rows = total // tp_size
+        for name, total in zip(names, sizes):
+            rows = total // split
             add(f"{name}.{pname}", (total, *rest))
             pieces.append(_rows(f"{name}.{pname}", at, tp_rank * rows, rows, rest))
             at += rows
@@ -170,13 +221,16 @@ def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[
 def rank_layout(model: torch.nn.Module) -> RankLayout:
     """This rank's buffers, their canonical tensors, and the parameters they load into."""
     arch = type(model).__name__
+    fused = fused_names(getattr(model, "packed_modules_mapping", None))
+    derived: list[str] = []
     tensors: dict[str, TensorSpec] = {}
     buffers: list[LocalBuffer] = []
     targets: list[Target] = []
     owner: dict[int, str] = {}  # id of a live parameter -> its buffer (tied parameters share one)
 
     for mname, module in model.named_modules():
-        params = _loadable_params(module)
+        params, made = _loadable_params(module)
+        derived += [f"{mname}.{n}" for n in made]
         for pname, meta in params.items():
             live = module._parameters[pname]
             key = id(live)
@@ -191,11 +245,11 @@ def rank_layout(model: torch.nn.Module) -> RankLayout:
                 if tensors.setdefault(name, spec) != spec:
                     raise LayoutError(f"canonical tensor {name!r} read as {tensors[name]} and as {spec}")
 
-            pieces, padding = _param_pieces(vllm_module_name(arch, mname), module, pname, shape, add)
+            pieces, padding = _param_pieces(vllm_module_name(arch, mname), module, pname, shape, add, fused)
             bname = f"{mname}.{pname}"
             owner[key] = bname
             buffers.append(LocalBuffer(bname, shape, dtype, tuple(pieces), tuple(padding)))
             targets.append(Target(mname, pname, bname))
     if not buffers:
         raise LayoutError(f"{type(model).__name__}: no loadable parameters found")
-    return RankLayout(tensors, buffers, targets)
+    return RankLayout(tensors, buffers, targets, derived)
