@@ -55,11 +55,23 @@ def _box(name: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], placeme
                   name)
 
 
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's persistent floating-point buffers, by name: checkpoint tensors an engine loads
+    too (DeepSeek-V3's `e_score_correction_bias`); non-persistent ones (rotary `inv_freq`) are not."""
+    out = []
+    for mname, m in module.named_modules():
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and bname not in m._non_persistent_buffers_set and b.is_floating_point():
+                out.append((f"{mname}.{bname}" if mname else bname, b))
+    return out
+
+
 def module_layout(module: torch.nn.Module, *, names: Names = None, rank: int | None = None,
                   world: int | None = None) -> tuple[int, int, dict[str, TensorSpec], dict[str, tuple[LocalBuffer, torch.Tensor]]]:
     """(rank, world, canonical tensors, buffers) of this process's rank. `rank` and `world`
     default to torch.distributed's; parameter names become canonical through `names` (a function
-    or a mapping; see `reshard.integrations.names`). Tied parameters count once."""
+    or a mapping; see `reshard.integrations.names`). Tied parameters count once. Persistent
+    floating-point buffers count as tensors too (whole on every rank, or as their DTensor says)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -69,7 +81,7 @@ def module_layout(module: torch.nn.Module, *, names: Names = None, rank: int | N
         rank, world = dist.get_rank(), dist.get_world_size()
     tensors: dict[str, TensorSpec] = {}
     buffers: dict[str, tuple[LocalBuffer, torch.Tensor]] = {}
-    for pname, p in module.named_parameters():  # tied parameters once
+    for pname, p in [*module.named_parameters(), *_persistent_buffers(module)]:  # tied parameters once
         name = canonical_name(pname, names)
         if name in tensors:
             raise LayoutError(f"parameters {pname!r} and another both map to canonical name {name!r}")

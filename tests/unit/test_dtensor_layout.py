@@ -154,3 +154,17 @@ def test_strided_shard_other_than_fsdp2s_form_is_refused(fake_world):
     bad = Holder({"p": DTensor.from_local(torch.zeros(2, 2), mesh, (_StridedShard(0, split_factor=3), Shard(0)), run_check=False)})
     with pytest.raises(LayoutError, match="only FSDP2's form"):
         module_layout(bad)
+
+
+def test_persistent_buffers_are_tensors_and_non_persistent_ones_are_not():
+    """DeepSeek-V3's gate keeps `e_score_correction_bias` as a persistent buffer, a checkpoint
+    tensor vLLM loads: a trainer that offered parameters only could not update such a model."""
+    m = torch.nn.Module()
+    m.gate = torch.nn.Linear(4, 3, bias=False)
+    m.gate.register_buffer("e_score_correction_bias", torch.arange(3, dtype=torch.float32))
+    m.gate.register_buffer("inv_freq", torch.ones(2), persistent=False)
+    m.gate.register_buffer("counts", torch.zeros(3, dtype=torch.int64))  # bookkeeping, not weights
+    _, _, tensors, buffers = module_layout(m, rank=0, world=1)
+    assert set(tensors) == {"gate.weight", "gate.e_score_correction_bias"}
+    desc, t = buffers["gate.e_score_correction_bias"]
+    assert t.data_ptr() == m.gate.e_score_correction_bias.data_ptr() and desc.shape == (3,)
