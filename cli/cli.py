@@ -243,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "gather-and-load path (needs the vllm extra)")
     p.add_argument("--vllm-model", choices=("llama-0.5g", "llama-tiny"), default="llama-0.5g",
                    help="with --engine vllm: the model trained and served")
+    p.add_argument("--staging", choices=("inplace", "shadow", "bounded"), default="inplace",
+                   help="with --engine vllm: how the vLLM ranks stage updates (inplace: one copy of the weights; "
+                        "shadow: two; bounded: none, through a pool of --pool-bytes, inside update_weights)")
+    p.add_argument("--pool-bytes", type=_pool_bytes, default=128 << 20,
+                   help="with --engine vllm --staging bounded: the pool each rank receives through (default 128 MiB)")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--updates", type=int, default=4, help="reshard updates (the first is cold)")
     p.add_argument("--baseline-updates", type=int, default=3, help="serialized baseline updates (the first is cold)")

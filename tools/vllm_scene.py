@@ -9,6 +9,7 @@ those of a Hugging Face model holding the trainer's full weights."""
 from __future__ import annotations
 
 import json
+import threading
 import os
 import queue
 import socket
@@ -190,6 +191,46 @@ class Trainers:
                 p.kill()
 
 
+class ResidentMemory:
+    """The resident memory of vLLM's processes (the children of this process that are not the
+    controllers or the trainers), sampled on a thread: the steady state before the backend is
+    initialized, and the peak after."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        import psutil
+
+        self.me, self.exclude = psutil.Process(), exclude
+        self.peak, self._stop = 0, threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def now(self) -> int:
+        import psutil
+
+        total = 0
+        for p in self.me.children(recursive=True):
+            if p.pid in self.exclude:
+                continue
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def start(self) -> None:
+        def sample() -> None:
+            while not self._stop.wait(0.05):
+                self.peak = max(self.peak, self.now())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        return max(self.peak, self.now())
+
+
 def _status(addr: str) -> dict:
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "status", "--trainer", addr, "--json"], capture_output=True,
                        text=True, timeout=60)
@@ -222,8 +263,10 @@ def run(a) -> int:
                                tr_w, "--inference", inf, "--run", "demo", "--model", name, "--update-timeout", "600"],
                               stdout=clog, stderr=clog)]
     trainers = Trainers(world, tr_w, tmp)
+    staging = getattr(a, "staging", "inplace")
+    pool_bytes = getattr(a, "pool_bytes", 128 << 20) if staging == "bounded" else 0
     results: dict = {"model": name, "engine": "vllm", "trainer": f"FSDP2 x{world}", "inference": f"vLLM TP={tp}",
-                     "transport": "gloo", "updates": [], "baseline": []}
+                     "transport": "gloo", "staging": staging, "pool_bytes": pool_bytes, "updates": [], "baseline": []}
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -237,8 +280,16 @@ def run(a) -> int:
         t0 = time.perf_counter()
         llm = LLM(model=tmp, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
                   max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=True, weight_transfer_config={"backend": BACKEND})
-        llm.init_weight_transfer_engine({"init_info": {"controller": inf_w, "timeout": 600}})
+        # Extra memory, measured: vLLM's processes' resident memory over their steady state (before the
+        # backend holds anything), at its peak through init and every update.
+        mem = ResidentMemory({p.pid for p in procs} | {p.pid for p in trainers.procs})
+        time.sleep(1.0)
+        steady = mem.now()
+        mem.start()
+        llm.init_weight_transfer_engine({"init_info": {"controller": inf_w, "timeout": 600, "staging": staging,
+                                                       **({"pool_bytes": pool_bytes} if pool_bytes else {})}})
         results["engine_start_seconds"] = time.perf_counter() - t0
+        results["weights_bytes_per_rank"] = payload // tp
         greedy = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
 
         def tokens() -> list[list[int]]:
@@ -254,12 +305,22 @@ def run(a) -> int:
             trainers.collect()
             t1 = time.perf_counter()
             trainers.send("publish", i)
-            version = update(llm, i, timeout=600)
-            seconds = time.perf_counter() - t1
-            trainers.collect()
+            if staging == "bounded":  # the transfer runs inside update_weights: generation waits for all of it
+                t_stall = time.perf_counter()
+                version = update(llm, i, timeout=600)
+                stall = time.perf_counter() - t_stall
+                seconds = time.perf_counter() - t1
+                trainers.collect()
+            else:  # the transfer runs while vLLM serves; generation waits only for the load
+                trainers.collect()  # publish(i).wait(): committed on the deployment
+                t_stall = time.perf_counter()
+                version = update(llm, i, timeout=600)
+                stall = time.perf_counter() - t_stall
+                seconds = time.perf_counter() - t1
             want = reference()
             hist = next((h for h in reversed(_status(tr).get("history", [])) if int(h["version"]["step"]) == i), {})
-            row = {"version": f"demo:{i}", "served": version, "seconds": seconds, "bytes": int(hist.get("bytes", 0)),
+            row = {"version": f"demo:{i}", "served": version, "seconds": seconds, "stall_s": stall,
+                   "bytes": int(hist.get("bytes", 0)),
                    "verified": bool(hist.get("verified", False)), "tokens_match": tokens() == want, "cold": i == 1,
                    "service_seconds": float(hist.get("seconds", 0.0)),  # publish to commit, as the controller saw it
                    "phases": {k: round(float(v), 4) for k, v in hist.get("phase_seconds", {}).items()}}
@@ -267,6 +328,13 @@ def run(a) -> int:
             print(f"  reshard      {row['version']:>10s} {seconds:8.3f} s  {row['bytes'] / 1e9:6.3f} GB  verified "
                   f"{'yes' if row['verified'] else 'NO'}  tokens {'match' if row['tokens_match'] else 'DIFFER'}",
                   file=log, flush=True)
+        results["extra_bytes_per_rank"] = max(0, mem.stop() - steady) // tp
+        results["extra_fraction_of_weights"] = results["extra_bytes_per_rank"] / max(1, results["weights_bytes_per_rank"])
+        results["stall_s"] = statistics.median([u["stall_s"] for u in results["updates"] if not u["cold"]]
+                                               or [u["stall_s"] for u in results["updates"]])
+        print(f"  {staging} staging: {results['extra_bytes_per_rank'] / 1e6:.1f} MB extra per rank (measured, "
+              f"{100 * results['extra_fraction_of_weights']:.0f}% of its {results['weights_bytes_per_rank'] / 1e6:.1f} MB "
+              f"of weights); generation paused {results['stall_s']:.3f} s per update", file=log, flush=True)
         want = reference()
         store = f"127.0.0.1:{_free_port()}"
         for j in range(1, a.baseline_updates + 1):
