@@ -100,6 +100,8 @@ class InferenceWorker(WorkerBase):
         self.shadow = {n: t.clone() for n, t in self.live.items()} if staging == "shadow" else None
         self.bounded = BoundedStaging(self.descs, self.shapes, self.device, pool_bytes, load_groups) \
             if staging == "bounded" else None
+        if self.bounded is not None:  # the plan sends this rank's buffers in order, half the pool at a time
+            self.receive_window = max(1, pool_bytes // 2)
         self._load = load or self._load_into_live
         self._serving = threading.Lock()
         self._paused = False  # the engine is paused by this worker (it holds _serving)

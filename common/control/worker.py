@@ -116,16 +116,18 @@ _RANK_LAYOUTS: collections.OrderedDict = collections.OrderedDict()  # ids of buf
 _RANK_LAYOUTS_LOCK = threading.Lock()
 
 
-def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer], allow_casts: bool = False) -> bytes:
+def rank_layout_bytes(tensors: dict[str, TensorSpec], buffers: list[LocalBuffer], allow_casts: bool = False,
+                      receive_window: int = 0) -> bytes:
     """One rank's layout as its hello carries it. Workers of one process that hold the same
     buffer objects (replicas built from one layout) share the encoding."""
-    key = (tuple(map(id, buffers)), id(tensors), allow_casts)
+    key = (tuple(map(id, buffers)), id(tensors), allow_casts, receive_window)
     with _RANK_LAYOUTS_LOCK:
         hit = _RANK_LAYOUTS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], buffers)) and hit[1] is tensors:
         return hit[2]
     used = {p.tensor for b in buffers for p in b.pieces}
-    data = layout_bytes(Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts))
+    data = layout_bytes(Layout({n: t for n, t in tensors.items() if n in used}, (tuple(buffers),), allow_casts=allow_casts,
+                                     receive_window=receive_window))
     with _RANK_LAYOUTS_LOCK:
         _RANK_LAYOUTS[key] = (tuple(buffers), tensors, data)  # the references keep the ids from being reused
         while len(_RANK_LAYOUTS) > 16:
@@ -154,6 +156,7 @@ class WorkerBase:
                 raise ValueError(f"buffer {name!r} must be contiguous")
         self.controller, self.rank, self.world, self.model = controller, rank, world, model
         self.allow_casts = allow_casts  # buffers may hold tensors in another dtype (cast on the sender)
+        self.receive_window = 0  # a destination that stages bounded: what it may hold of an update at once
         self.tensors = tensors
         self.descs = {n: d for n, (d, _) in buffers.items()}
         self.live = {n: t for n, (_, t) in buffers.items()}
@@ -299,7 +302,8 @@ class WorkerBase:
 
     async def _serve_stream(self) -> None:
         hello = wpb.Hello(rank=self.rank, world=self.world, pid=os.getpid(), role=self.role, model=self.model,
-                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts),
+                          rank_layout=rank_layout_bytes(self.tensors, list(self.descs.values()), self.allow_casts,
+                                                        self.receive_window),
                           device=self.device, device_uuid=self.device_uuid, instance=self._instance,
                           staging=getattr(self, "staging", ""))
         if self.version is not None:

@@ -311,7 +311,7 @@ def encode(layout) -> bytes:
         blobs.append(a.tobytes())
     header = {
         "v": 2, "tensors": [[t.name, list(t.shape), t.dtype] for t in layout.tensors.values()],
-        "allow_casts": layout.allow_casts, "dtypes": DTYPE_NAMES, "buffer_names": names, "rank_class": list(rank_class),
+        "allow_casts": layout.allow_casts, "receive_window": layout.receive_window, "dtypes": DTYPE_NAMES, "buffer_names": names, "rank_class": list(rank_class),
         "undeclared": ranks.undeclared,
         "buffers": [k.num_buffers for k in classes], "pieces": [k.num_pieces for k in classes], "width": w,
         "padding": [[c, b, [p.to_json() for p in pads]] for c, k in enumerate(classes) for b, pads in sorted(k.buf_padding.items())],
@@ -369,8 +369,8 @@ def inflate(data: bytes, limit: int = MAX_INFLATED) -> bytes:
     return b"".join(parts)
 
 
-def decode(data: bytes) -> tuple[dict[str, TensorSpec], ColumnRanks, bool]:
-    """(tensors, ranks, allow_casts) of a layout from `encode`'s bytes, checked for consistency:
+def decode(data: bytes) -> tuple[dict[str, TensorSpec], ColumnRanks, bool, int]:
+    """(tensors, ranks, allow_casts, receive_window) of a layout from `encode`'s bytes, checked for consistency:
     LayoutError on malformed input. (Whether the layout is valid is the validator's check.)"""
     import json
     import zlib
@@ -406,7 +406,11 @@ def decode(data: bytes) -> tuple[dict[str, TensorSpec], ColumnRanks, bool]:
             kw.update({f: cols[f][p0:p0 + pc] for f in _PIECE_FIELDS})
             classes.append(ClassCols(buf_padding={b: p for (cc, b), p in padding.items() if cc == c}, **kw))
             b0, p0 = b0 + bc, p0 + pc
-        return tensors, ColumnRanks(sorted(tensors), names, classes, rank_class, undeclared), bool(h.get("allow_casts", False))
+        window = int(h.get("receive_window", 0))
+        if window < 0:
+            raise ValueError(f"receive_window {window} is negative")
+        return (tensors, ColumnRanks(sorted(tensors), names, classes, rank_class, undeclared), bool(h.get("allow_casts", False)),
+                window)
     except LayoutError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, zlib.error, UnicodeDecodeError, RecursionError,

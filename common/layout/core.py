@@ -47,6 +47,10 @@ class Layout:
     tensors: dict[str, TensorSpec]
     ranks: ColumnRanks
     allow_casts: bool = False
+    receive_window: int = 0
+    """A destination's bound on what it holds of an update at once, bytes (0: none): its ranks
+    stage bounded, so the plan sends each rank's buffers in order within this window, from the
+    trainer to every replica (no relays)."""
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
     """Derived values (the wire form, the fingerprint), computed once: a layout never changes."""
 
@@ -198,7 +202,8 @@ def merge_ranks(parts: Sequence[Layout], rank_part: Sequence[int]) -> Layout:
     tensor_names = sorted(tensors)
     names, classes, undeclared = merged_classes([p.ranks for p in parts], tensor_names)
     ranks = ColumnRanks(tensor_names, names, classes, list(rank_part), undeclared)
-    return Layout({n: tensors[n] for n in tensor_names}, ranks, any(p.allow_casts for p in parts))
+    window = min((p.receive_window for p in parts if p.receive_window), default=0)
+    return Layout({n: tensors[n] for n in tensor_names}, ranks, any(p.allow_casts for p in parts), window)
 
 
 def _check_disjoint(regions: list[tuple[Box, str]], where: str) -> None:

@@ -111,7 +111,8 @@ class LayoutTable:
 
     def hash_buffers(self, h) -> None:
         """Feed the buffers (not the pieces) and the rank classes to hash `h`."""
-        h.update(repr((self.layout.allow_casts, len(self.rank_class))).encode())
+        h.update(repr((self.layout.allow_casts, len(self.rank_class))
+                      + ((self.layout.receive_window,) if self.layout.receive_window else ())).encode())
         names, ids = self._canonical_names()
         h.update("\0".join(names).encode())
         hash_array(h, ids)

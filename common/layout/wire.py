@@ -21,8 +21,8 @@ def layout_bytes(layout: Layout) -> bytes:
 
 def layout_from_bytes(data: bytes) -> Layout:
     if data[:3] == b"RSL":  # the wire form (an older one is refused by name)
-        tensors, ranks, allow_casts = decode(data)
-        return Layout(tensors, ranks, allow_casts)
+        tensors, ranks, allow_casts, window = decode(data)
+        return Layout(tensors, ranks, allow_casts, window)
     raise LayoutError(f"malformed layout: not a layout's wire form (starts {bytes(data[:8])!r})")
 
 

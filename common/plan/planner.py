@@ -709,6 +709,8 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     It runs inside trainers and engines, so it leaves the process's allocator, garbage collector
     and numpy settings alone; `reshard plan` tunes its own process instead."""
     options = options or PlanOptions()
+    if dst.receive_window and options.relay:  # a bounded destination holds what it has yet to relay: no relays
+        options = dataclasses.replace(options, relay=False)
     bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
     S, T, buffer_names = _tables(src, dst)
     check_compatible(src, dst, tensors)
@@ -758,6 +760,8 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
         tbl.hash_buffers(layouts_hash)
     del S, s_off, s_size, s_strides
     g, m = _messages(g, name_rank, options, bucket)
+    if dst.receive_window:
+        m["round"] = _windowed_rounds(g, m, name_rank, dst.receive_window, bucket)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     peers = max(1, options.staging_limit // (2 * bucket))
     relaying = bool(units)
@@ -1154,6 +1158,39 @@ def _relay_start(rm: dict[str, np.ndarray], rg: dict[str, np.ndarray], arrival: 
     ready = np.maximum.reduceat(seg_ready, rm["lo"]) if len(seg_ready) else np.zeros(0, np.int64)
     shift = np.maximum.accumulate(ready - rm["round"])
     return rm["round"] + np.maximum(shift, 0)
+
+
+def _windowed_rounds(g: dict[str, np.ndarray], m: dict[str, np.ndarray], name_rank: np.ndarray, window: int,
+                     bucket: int) -> np.ndarray:
+    """Rounds for a destination that holds at most about `window` bytes of an update at once
+    (bounded staging): each destination rank's messages, from every sender, in the order of the
+    buffers they write (natural buffer order, then offset), fill rounds of `window` bytes, and
+    a pair keeps to one bucket a round (a larger message alone) and to its own order. So no
+    sender runs ahead through later buffers while another still sends earlier ones, and each
+    buffer completes within a round or two of its first bytes."""
+    n = len(m["src"])
+    if not n:
+        return m["round"]
+    first = m["lo"]
+    order = np.lexsort((m["tag"], m["src"], g["dstart"][first], np.take(name_rank, g["dbuf"][first]), m["dst"]))
+    out = np.empty(n, dtype=np.int64)
+    win: dict[int, tuple[int, int]] = {}  # destination -> (its current round, bytes placed in it)
+    pair: dict[tuple[int, int], tuple[int, int]] = {}  # (src, dst) -> (its last round, bytes in it)
+    for i, s, d, b in zip(order.tolist(), m["src"][order].tolist(), m["dst"][order].tolist(), m["nbytes"][order].tolist()):
+        wr, used = win.get(d, (0, 0))
+        lr, fill = pair.get((s, d), (0, 0))
+        r = max(wr, lr)
+        if r == lr and fill and fill + b > bucket:
+            r += 1
+        fill = fill + b if r == lr else b
+        if r > wr:
+            wr, used = r, 0
+        used += b
+        if used >= window:
+            wr, used = wr + 1, 0
+        win[d], pair[(s, d)] = (wr, used), (r, fill)
+        out[i] = r
+    return out
 
 
 def _stagger(m: dict[str, np.ndarray], peers: int, dst_peers: int | None = None) -> np.ndarray:

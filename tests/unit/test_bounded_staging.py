@@ -5,6 +5,7 @@ regeneration of the weights (tools.synth), sliced by the destination layout's bo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -38,8 +39,11 @@ def _sources(layout) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _run(model, src_spec: str, dst_spec: str, pool_bytes: int, bucket: int, groups=None, relay: bool = True):
+def _run(model, src_spec: str, dst_spec: str, pool_bytes: int, bucket: int, groups=None, relay: bool = True,
+         window: int = 0):
     src, dst = build(model, src_spec), build(model, dst_spec)
+    if window:  # what a bounded rank declares in its layout
+        dst = dataclasses.replace(dst, receive_window=window)
     plan = make_plan(src, dst, PlanOptions(bucket_bytes=bucket, relay=relay))
     shapes = {n: s.shape for n, s in dst.tensors.items()}
     wire, deadline = {}, time.monotonic() + 60
@@ -133,3 +137,27 @@ def test_relays_hold_what_is_still_to_be_relayed():
     primary = results[0][2]
     assert primary.overflow_bytes > 0 and primary.high_water > 96 << 10
     assert all(set(r[3]) == {b.name for b in r[0].ranks[r[1]]} for r in results)
+
+
+@pytest.mark.parametrize("model,src_spec,dst_spec,pool,bucket", [
+    (MODEL, "framework=fsdp,dp=3", "framework=vllm,tp=2,dp=2", 96 << 10, 8 << 10),
+    (MODEL, "framework=fsdp,dp=2,flat=0", "framework=vllm,tp=2", 96 << 10, 8 << 10),
+    # the embedding and lm_head rows (640 KB each) from one trainer rank, the layers from both
+    ("small", "framework=megatron,tp=2", "framework=vllm,tp=4", 1536 << 10, 32 << 10)])
+def test_a_receive_window_keeps_every_sender_to_the_buffers_in_order(model, src_spec, dst_spec, pool, bucket):
+    """The destination's layout declares a receive window (half its pool): the plan sends its
+    buffers in order from every sender and without relays, so what is held stays within the pool
+    (the same pairs without the window held far more: one sender ran ahead through the layers
+    while another still sent the embedding, or a primary kept what it had yet to relay)."""
+    plan, results = _run(model, src_spec, dst_spec, pool, bucket=bucket, window=pool // 2)
+    assert not any(m.relay for m in plan.messages)
+    for dst, d, staging, loaded, order, _ in results:
+        assert set(loaded) == {b.name for b in dst.ranks[d]}
+        for b in dst.ranks[d]:
+            want = torch.zeros(b.shape, dtype=dtype_of(b.dtype))
+            for p in b.pieces:
+                p.view(want).copy_(tensor_value(SEED, p.tensor, 0, dst.tensors[p.tensor].shape, want.dtype)[p.box.slices()])
+            assert torch.equal(loaded[b.name], want), f"rank {d} buffer {b.name}"
+        assert staging.overflow_bytes == 0 and staging.high_water <= pool, (d, staging.high_water, staging.overflow_bytes)
+    _, unwindowed = _run(model, src_spec, dst_spec, pool, bucket=bucket, relay=False)
+    assert max(r[2].high_water for r in unwindowed) > max(r[2].high_water for r in results), "the window changed nothing"
