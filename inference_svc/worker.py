@@ -83,9 +83,9 @@ class InferenceWorker(WorkerBase):
         super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, security=security)
         self.staging = staging
         self.holds_copy = self.device != "meta"  # False: the engine holds the weights (bounded, meta buffers)
-        if not self.holds_copy:
-            if staging != "bounded" or load is None or device is None:
-                raise ValueError("meta buffers (no copy of the weights) need staging='bounded', a load function and device=")
+        if not self.holds_copy and staging == "bounded":
+            if load is None or device is None:
+                raise ValueError("bounded staging over meta buffers (no copy of the weights) needs a load function and device=")
             from reshard.common.dataplane.backend import device_uuid
             from reshard.common.dataplane.engine import StagingPool
 

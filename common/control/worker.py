@@ -29,8 +29,9 @@ from reshard.common.dataplane.engine import StagingPool
 from reshard.common.dataplane.rank_update import RankUpdate
 from reshard.common.dataplane.transport import Transport, TransportError, transport_class
 from reshard.common.layout.core import Layout, LayoutError, LocalBuffer, TensorSpec, dtype_of
-from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
-from reshard.common.plan.planner import Plan, make_plan
+from reshard.common.layout.wire import layout_bytes, layout_from_bytes
+from reshard.common.plan.cache import BuildOnceLRU, PlanCache
+from reshard.common.plan.planner import Plan
 from reshard.common.plan.verify import sender_report
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
@@ -68,46 +69,15 @@ class RecentIds:
         return len(self._ids)
 
 
-class SharedCache:
-    """A small process-wide LRU whose values are built once, even when several workers of one
-    process (colocated ranks, tests) ask for the same key at the same time."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._lock = threading.Lock()
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    def get(self, key, build):
-        with self._lock:
-            fut = self._entries.get(key)
-            owner = fut is None
-            if owner:
-                fut = self._entries[key] = concurrent.futures.Future()
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        if owner:
-            try:
-                fut.set_result(build())
-            except BaseException as e:
-                with self._lock:
-                    if self._entries.get(key) is fut:
-                        del self._entries[key]
-                fut.set_exception(e)
-        return fut.result()
-
-
-_LAYOUTS = SharedCache(8)  # fingerprint -> Layout
-_PLANS = SharedCache(8)  # (source and destination fingerprints, bucket bytes, tensors) -> Plan
+_LAYOUTS: BuildOnceLRU[Layout] = BuildOnceLRU(8)  # fingerprint -> Layout, shared by the workers of a process
+_PLANS = PlanCache(8)  # the plans of this process's workers (common/plan/cache.py: the controllers' kind)
 
 
 def _layout(fingerprint: str, data: bytes, what: str) -> Layout:
     if not fingerprint:
         return layout_from_bytes(data)
     if not data:
-        with _LAYOUTS._lock:
-            known = fingerprint in _LAYOUTS._entries
-        if not known:
+        if fingerprint not in _LAYOUTS:
             raise LayoutError(f"the {what} layout {fingerprint} is not known to this worker; its controller must send it")
     return _LAYOUTS.get(fingerprint, lambda: layout_from_bytes(data))
 
@@ -488,8 +458,7 @@ class WorkerBase:
         # and built off the loop, once per process.
         src, dst = await asyncio.gather(loop.run_in_executor(None, _layout, p.src_fingerprint, p.src_layout, "source"),
                                         loop.run_in_executor(None, _layout, p.dst_fingerprint, p.dst_layout, "destination"))
-        key = (layout_fingerprint(src), layout_fingerprint(dst), opts.bucket_bytes, opts.relay, tuple(sorted(subset or ())))
-        plan = await loop.run_in_executor(None, _PLANS.get, key, lambda: make_plan(src, dst, opts, subset))
+        plan = await loop.run_in_executor(None, _PLANS.plan, src, dst, opts, subset)
         if method == RESHARD and plan.digest != p.plan_digest:
             raise LayoutError(f"plan digest mismatch on {self.role} rank {self.rank}: {plan.digest} != {p.plan_digest}")
         self._prepared = (p.update_id, plan, dst)
