@@ -74,6 +74,7 @@ def test_a_failed_bounded_update_leaves_not_serving_until_a_full_update():
         c.close()
 
 
+@pytest.mark.slow  # over 6 s: the quick suite keeps under 5 minutes on 2 cores
 def test_bounded_refuses_a_partial_update_that_splits_a_buffer():
     c = Cluster("tiny", inference_workers=2, inference_staging="bounded", inference_args=("--pool-bytes", str(POOL)))
     try:

@@ -71,6 +71,7 @@ def reassemble(chunks) -> tuple[torch.Tensor, pb.Version]:
     return torch.frombuffer(data, dtype=dtype_of(first.dtype)).view(list(first.shape)).clone(), first.version
 
 
+@pytest.mark.slow  # over 6 s: the quick suite keeps under 5 minutes on 2 cores
 def test_dump_is_exact_bounded_and_limited(cluster, tmp_path):
     c = cluster
     pid = c.procs[0].pid  # `reshard inference`: the controller runs in the CLI's process

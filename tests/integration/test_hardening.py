@@ -123,6 +123,7 @@ def test_a_publish_during_a_transfer_never_tears_the_snapshot_it_reads():
         svc.close()
 
 
+@pytest.mark.slow  # over 6 s: the quick suite keeps under 5 minutes on 2 cores
 def test_a_partial_update_after_a_failed_inplace_update_keeps_the_torn_tensors_out_of_service():
     """Item 2: an in-place update that fails midway tears every tensor it carried; a later partial
     update (`--tensors`) makes only its own tensors whole, so the deployment stays NOT_SERVING (and
@@ -316,6 +317,7 @@ if b"standalone" in _cmd and os.environ.get("RESHARD_TEST_SLOW_START"):
 '''
 
 
+@pytest.mark.slow  # over 6 s: the quick suite keeps under 5 minutes on 2 cores
 def test_an_update_asked_for_before_the_workers_attached_waits_for_them(tmp_path):
     """Item 8: with the services started as the README says and `reshard update --wait` run as soon
     as status answers, the first update must wait (within its own deadline) for workers that are
@@ -409,6 +411,7 @@ def test_malformed_requests_are_refused_at_the_door_naming_the_field():
         c.close()
 
 
+@pytest.mark.slow  # over 6 s: the quick suite keeps under 5 minutes on 2 cores
 def test_fencing_survives_an_inference_restart_and_cannot_be_taken_by_naming_an_epoch():
     """Item 15: epochs are granted by inference (one more than any before, kept in its run folder),
     not taken from a caller's clock or request: a trainer controller fenced out by a newer one stays

@@ -848,6 +848,7 @@ def test_an_inference_controller_takes_updates_only_from_the_trainers_it_names(t
         stop_processes(procs)
 
 
+@pytest.mark.slow  # over 6 s: the quick suite keeps under 5 minutes on 2 cores
 def test_a_callers_huge_timeout_is_clamped_by_the_server(secure):
     """A peer's BeginUpdate with timeout_s=1e9 whose sources never connect: the inference
     controller's own deadline (--update-timeout 6, then --rpc-timeout 3 for a FinishUpdate) ends it, and the deployment serves what it
