@@ -124,11 +124,17 @@ def deployment_rank(pc) -> tuple[int, int]:
     data_parallel_size x pipeline_parallel_size x tensor_parallel_size ranks. Each rank's layout
     says what it holds (a stage's layers, a replica's copy, the experts of its expert map): the
     inference controller merges them, and the planner relays between replicas holding the same."""
+    if getattr(pc, "distributed_executor_backend", None) == "external_launcher":
+        return pc.rank, pc.world_size  # one process per rank (torchrun): vLLM's world already spans the replicas
     per_replica = pc.world_size  # TP x PP
     dp_index = getattr(pc, "data_parallel_index", None)
     if dp_index is None:
         dp_index = getattr(pc, "data_parallel_rank", 0)
     dp = max(1, int(getattr(pc, "data_parallel_size", 1)))
+    if not getattr(pc, "enable_elastic_ep", False):
+        # `vllm serve` runs a dense model's replicas as independent engines of data_parallel_size 1
+        # (reconfigure_for_independent_dp_rank); elastic_ep_max_dp_size keeps the size it was given
+        dp = max(dp, int(getattr(pc, "elastic_ep_max_dp_size", None) or 1))
     if not 0 <= dp_index < dp or not 0 <= pc.rank < per_replica:
         raise RuntimeError(f"vLLM parallel config: rank {pc.rank} of {per_replica} in data-parallel replica {dp_index} "
                            f"of {dp} is outside the deployment")

@@ -159,14 +159,9 @@ def test_data_parallel_2_replicas_tokens_equal_hf(tmp_path):
     everything by relay: each byte left the trainer once. Negative control: the layout shifted by
     one layer disagrees with the loader.
 
-    Today the backend numbers these ranks 0 and 3 of 4 (integrations/vllm/engine.py's
-    deployment_rank adds the replica index to vLLM's rank, but under an external launcher vLLM's
-    rank and world already span the replicas), so the controller refuses them and the test says
-    so; it runs in full once that is fixed (checked with the fix applied)."""
+    (Before, the backend numbered these ranks 0 and 3 of 4: under an external launcher vLLM's rank
+    and world already span the replicas, and the controller refused them.)"""
     res, out = drive(tmp_path, "dp")
-    if res["init_errors"] and "worker rank 3 of world 4 does not fit this deployment of 2 workers" in out:
-        pytest.xfail("integrations/vllm/engine.py numbers external-launcher replicas 0 and 3 of world 4 (vLLM's "
-                     f"world_size and rank already span the replicas there): {res['init_errors']}")
     assert not res["init_errors"], res["init_errors"]
     names, model_bytes = weights_bytes(tmp_path / "step2.pt")
     assert [u["step"] for u in res["updates"]] == [1, 2]
@@ -211,14 +206,7 @@ def test_a_second_claim_of_a_live_rank_is_refused_with_the_reason(tmp_path):
     assert [(w["rank"], w["pid"]) for w in res["status"]["workers"]] == [(0, holder)], res["status"]["workers"]
 
 
-NUMBERING_BUG = pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError), reason=(
-    "integrations/vllm/engine.py's deployment_rank: under an external launcher vLLM's world_size and rank already span "
-    "the replicas; under `vllm serve` a dense model's replicas say data_parallel_size 1 (the fix is in issue 29's "
-    "item-4 report; this marker goes when it lands)"))
-
-
-@pytest.mark.parametrize("launch", [pytest.param("external-launcher", marks=NUMBERING_BUG),
-                                    pytest.param("serve-dense", marks=NUMBERING_BUG), "serve-moe"])
+@pytest.mark.parametrize("launch", ["external-launcher", "serve-dense", "serve-moe"])
 def test_deployment_rank_from_vllms_own_parallel_config(monkeypatch, launch):
     """DP 2 x TP 2, each rank's parallel config as vLLM leaves it on that rank's worker (vLLM's own
     ParallelConfig, no engine): the backend must number the 4 ranks 0..3 of 4, each once.
