@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from reshard.common.control import faults
+from reshard.common.control.methods import RESHARD
 from reshard.common.control.security import Security
 from reshard.common.control.worker import WorkerBase
 from reshard.common.dataplane.checksum import box_checksum
@@ -220,7 +221,7 @@ class InferenceWorker(WorkerBase):
 
     def _check_bounded(self, p: wpb.Prepare) -> None:
         """What bounded staging cannot take, refused before anything moves (the update fails with it)."""
-        if p.method and p.method != "reshard":
+        if p.method and p.method != RESHARD:
             raise LayoutError(f"inference rank {self.rank} stages bounded: transfer method {p.method!r} writes whole "
                               "models at once; use the reshard method")
         if p.session.transport in ("ipc", "hybrid"):

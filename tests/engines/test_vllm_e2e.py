@@ -43,7 +43,8 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
 
 
 @pytest.mark.parametrize("example,model,extra", [
-    pytest.param("vllm_fsdp2.py", "llama", (), id="fsdp2-llama"),
+    # slow too (about 45 s, the largest quick test): `make test` keeps under 300 s on 2 cores; CI runs it in test-slow
+    pytest.param("vllm_fsdp2.py", "llama", (), marks=pytest.mark.slow, id="fsdp2-llama"),
     # slow: each starts another vLLM engine (about 50 s)
     pytest.param("vllm_fsdp2.py", "mixtral", (), marks=pytest.mark.slow, id="fsdp2-mixtral-tp"),  # stacked experts split by TP
     # Mixtral with --expert-parallel is not here: vLLM's CPU build crashes in its own fused-MoE kernel
@@ -79,7 +80,7 @@ def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):
     assert len(seen) == 3, "the generations did not change between steps: the updates did not take effect"
 
 
-@pytest.mark.slow  # a third vLLM engine start (about 50 s); the quick suite runs the same backend above
+@pytest.mark.slow  # a third vLLM engine start (about 50 s); the cases above run the same backend
 def test_demo_engine_vllm_reports_every_update_and_the_speedup():
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "demo", "--engine", "vllm", "--vllm-model", "llama-tiny",
                         "--updates", "2", "--baseline-updates", "1", "--json"], capture_output=True, text=True, timeout=600)
