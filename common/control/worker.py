@@ -42,6 +42,10 @@ log = logging.getLogger("reshard.worker")
 # Reconnecting to a lost controller: the first try at once plus this, doubling up to the cap (a
 # restarted controller is back within about a second; the worker's own attempts add at most 0.5 s).
 RECONNECT_MIN_S, RECONNECT_MAX_S = 0.1, 0.5
+# What a controller answers a hello it will not take (the rank is held, or the rank, world or role
+# does not fit its deployment): the worker is refused, not unreachable (`refused`, `wait_connected`).
+REFUSALS = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT,
+                      grpc.StatusCode.FAILED_PRECONDITION})
 # Messages queued for the controller, besides publishes, before the worker gives its stream up as
 # unread (a frozen controller, say): heartbeats and byte counts are merged while they wait, so only
 # replies, transfer reports and read-back pieces count, and a controller that reads never comes near.
@@ -242,9 +246,10 @@ class WorkerBase:
                 level = logging.DEBUG if warned else logging.WARNING
                 warned = True
                 code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-                if code == grpc.StatusCode.ALREADY_EXISTS:
+                if code in REFUSALS:
                     # Another worker holds this rank there (an orphan that came too late, a second replica
-                    # with the same ranks): said once; it tries again in case the holder goes away.
+                    # with the same ranks), or the rank, world or role does not fit that deployment: said
+                    # once; it tries again in case the holder goes away or the controller is redeployed.
                     self.refused = True
                     self.last_error = f"controller {self.controller} refused this rank: {e.details()}"
                     if not self._refusal_logged:

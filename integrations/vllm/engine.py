@@ -181,9 +181,11 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
                               {b.name: (b, live[b.name]) for b in layout.buffers}, staging=info.staging,
                               model=type(self.model).__name__, security=security, **extra).start()
         if not self.worker.wait_connected(info.connect_timeout):
-            err = self.worker.last_error
+            err, refused = self.worker.last_error, self.worker.refused
             self.worker.stop()
             self.worker = None
+            if refused:  # said at once: waiting would not change it
+                raise RuntimeError(f"vLLM rank {self.rank} of {self.world}: {err}")
             raise RuntimeError(f"vLLM rank {self.rank}: the reshard inference controller at {info.controller} did not "
                                f"accept this rank within {info.connect_timeout:.0f}s" + (f": {err}" if err else ""))
         weights = sum(b.nbytes for b in layout.buffers)

@@ -202,6 +202,7 @@ def test_a_second_claim_of_a_live_rank_is_refused_with_the_reason(tmp_path):
     assert len(ok) == 1 and len(refused) == 1, res["claimants"]
     holder, second = ok[0]["pid"], refused[0]
     assert f"inference rank 0 is held by live worker pid {holder}, not pid {second['pid']}" in second["error"], second
+    assert "refused this rank" in second["error"] and "did not accept" not in second["error"], second
     assert second["init_seconds"] < 10, second
     assert [(w["rank"], w["pid"]) for w in res["status"]["workers"]] == [(0, holder)], res["status"]["workers"]
 

@@ -302,8 +302,15 @@ def test_a_second_worker_for_a_live_rank_is_refused_and_says_so():
         assert first._connected.is_set() and first.controller_pid == pid, "the holder lost its rank"
         st = json.loads(cli("status", "--inference", svc.inf, "--json", check=True).stdout)
         assert [w["pid"] for w in st["workers"]] == [os.getpid()] and st["workers"][0]["state"] != "DEAD", st
+        # A rank outside the deployment (a vLLM rank numbered over more replicas than it has) is refused
+        # too, at once, with the reason; not retried as if the controller were unreachable.
+        outside = InferenceWorker(svc.inf_w, 1, 2, {"w": spec}, {"w": (desc, torch.zeros(4))}).start()
+        t0 = time.monotonic()
+        assert not outside.wait_connected(30)
+        assert time.monotonic() - t0 < 20 and outside.refused and "does not fit" in outside.last_error, \
+            outside.last_error
     finally:
-        for w in (first, second):
+        for w in (first, second, locals().get("outside")):
             if w is not None:
                 w.stop()
         svc.close()
