@@ -13,6 +13,7 @@ import grpc
 from reshard.common.control.rpc import Deadlines, channel, parse_address, status_error
 from reshard.common.control.security import FLAG_ENV, Security, SecurityError, current
 from reshard.common.dataplane.backend import BACKENDS
+from reshard.inference_svc.stagings import STANDALONE
 from reshard.common.models.presets import MODELS
 
 DEFAULT_MODEL = "llama-1g"
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="standalone workers' layout, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all workers)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--staging", choices=["shadow", "inplace", "bounded"], default=None,
+    p.add_argument("--staging", choices=STANDALONE, default=None,
                    help="standalone workers' staging (default shadow; bounded: no copy, received through a pool of "
                         "--pool-bytes); embedded workers choose their own "
                         "(InferenceWorker staging=, the vLLM backend's init info), which the controller reads from them")
@@ -243,14 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "gather-and-load path (needs the vllm extra)")
     p.add_argument("--vllm-model", choices=("llama-0.5g", "llama-tiny"), default="llama-0.5g",
                    help="with --engine vllm: the model trained and served")
-    p.add_argument("--staging", choices=("inplace", "shadow", "bounded"), default="inplace",
-                   help="with --engine vllm: how the vLLM ranks stage updates (inplace: one copy of the weights; "
-                        "shadow: two; bounded: none, through a pool of --pool-bytes, inside update_weights)")
+    p.add_argument("--staging", choices=("bounded", "staged", "shadow"), default="bounded",
+                   help="with --engine vllm: how the vLLM ranks stage updates (bounded, the default: no copy of the "
+                        "weights, through a pool of --pool-bytes, inside update_weights; staged: one copy "
+                        "(--staging-device), received while vLLM serves; shadow: two copies)")
+    p.add_argument("--staging-device", choices=("host", "device"), default="host",
+                   help="with --engine vllm --staging staged: where the copy lives (host: received through a pool "
+                        "of --pool-bytes; device: straight into it); on vLLM's CPU build both are host memory")
     p.add_argument("--pool-bytes", type=_pool_bytes, default=128 << 20,
-                   help="with --engine vllm --staging bounded: the pool each rank receives through (default 128 MiB)")
+                   help="with --engine vllm, bounded or staged in host memory: the pool each rank receives through "
+                        "(default 128 MiB)")
     p.add_argument("--model", choices=models, default=DEFAULT_MODEL)
     p.add_argument("--updates", type=int, default=4, help="reshard updates (the first is cold)")
     p.add_argument("--baseline-updates", type=int, default=3, help="serialized baseline updates (the first is cold)")
+    p.add_argument("--fixed-cost-updates", type=int, default=3,
+                   help="partial updates of the model's smallest tensor after the full ones: the fixed cost per update "
+                        "(fixed_cost_s, their median); 0: none")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trainer-workers", type=int, default=2)
     p.add_argument("--inference-workers", type=int, default=4)

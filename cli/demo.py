@@ -10,6 +10,7 @@ such knob), and prints a table (or one JSON object with --json)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -61,10 +62,12 @@ def run_demo(a) -> int:
                                        "--workers", str(a.inference_workers), "--model", a.model], env=env, stderr=log, stdout=log))
         procs.append(trainer("reshard"))
         results = {"model": a.model, "payload_bytes": cfg.payload_bytes, "trainer_workers": a.trainer_workers,
-                   "inference_workers": a.inference_workers, "transport": "gloo", "updates": [], "baseline": []}
+                   "inference_workers": a.inference_workers, "transport": "gloo", "updates": [], "baseline": [],
+                   "fixed_cost_updates": [], "fixed_cost_s": None}
 
-        def one(method: str) -> dict:
-            r = _cli("update", "--trainer", tr_addr, "--wait", "--json", "--timeout", "900", timeout=1000)
+        def one(method: str, tensors: str = "") -> dict:
+            r = _cli("update", "--trainer", tr_addr, "--wait", "--json", "--timeout", "900",
+                     *(("--tensors", tensors) if tensors else ()), timeout=1000)
             if r.returncode != 0 and not r.stdout.strip():
                 raise RuntimeError(f"{method} update failed: {r.stderr.strip()}")
             out = json.loads(r.stdout)
@@ -104,6 +107,13 @@ def run_demo(a) -> int:
         # the speedup compares the warm updates that follow, as a training run sees them.
         for i in range(a.updates):
             results["updates"].append(dict(one("reshard"), cold=i == 0))
+        # The fixed cost of an update, all overhead: updates carrying one tensor of a few kB (the
+        # smallest the model has) through the same services, every phase of a full update but no bytes.
+        tiny = min(cfg.tensors().values(), key=lambda t: (math.prod(t.shape), t.name)).name
+        for _ in range(a.fixed_cost_updates):
+            results["fixed_cost_updates"].append(dict(one("reshard", tiny), tensor=tiny))
+        if results["fixed_cost_updates"]:
+            results["fixed_cost_s"] = statistics.median(r["seconds"] for r in results["fixed_cost_updates"])
         if a.baseline_updates:  # the same run, continued by a trainer_svc that moves updates the serialized way
             procs[1].terminate()
             procs[1].wait(30)
@@ -146,4 +156,8 @@ def print_table(r: dict) -> None:
     sp = r["speedup_vs_serialized"]
     print(f"\nreshard {r['reshard_seconds']:.3f} s/update vs serialized {r['baseline_seconds']:.3f} s/update: "
           f"speedup {sp:.2f}x (medians of warm updates; * = cold: session setup and first allocation)" if sp else "\n(no baseline run)")
+    if r.get("fixed_cost_s") is not None:
+        print(f"fixed cost per update (a partial update of {r['fixed_cost_updates'][0]['tensor']}, "
+              f"{r['fixed_cost_updates'][0]['bytes']} bytes; median of {len(r['fixed_cost_updates'])}): "
+              f"{r['fixed_cost_s']:.3f} s")
     print(f"inference served {r['requests_served']} requests, {r['requests_during_updates']} of them during updates")

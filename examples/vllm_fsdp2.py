@@ -113,13 +113,14 @@ class Offline:
     """vLLM in this process (`vllm.LLM`)."""
 
     def __init__(self, model_dir: str, tp: int, workers: str, expert_parallel: bool = False, pp: int = 1,
-                 staging: str = "inplace", pool_bytes: int = 1 << 20) -> None:
+                 staging: str = "", staging_device: str = "", pool_bytes: int = 1 << 20) -> None:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
                        max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,  # eager: a quick start on CPU
                        enable_expert_parallel=expert_parallel, weight_transfer_config={"backend": "reshard"})
-        self.llm.init_weight_transfer_engine({"init_info": {"controller": workers, "staging": staging, "pool_bytes": pool_bytes}})
+        info = {"controller": workers, "staging": staging, "staging_device": staging_device, "pool_bytes": pool_bytes}
+        self.llm.init_weight_transfer_engine({"init_info": {k: v for k, v in info.items() if v}})  # unset: the backend's default
         self.greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
 
     def update(self, step: int) -> str:
@@ -206,8 +207,11 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     ap.add_argument("--expert-parallel", action="store_true", help="vLLM places whole experts on ranks (MoE models)")
     ap.add_argument("--tp", type=int, default=2, help="vLLM's tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline parallel size (offline only)")
-    ap.add_argument("--staging", choices=["inplace", "shadow", "bounded"], default="inplace",
-                    help="how the vLLM ranks stage updates (offline only; bounded: through a pool of --pool-bytes)")
+    ap.add_argument("--staging", choices=["bounded", "staged", "shadow"], default="",
+                    help="how the vLLM ranks stage updates (offline only; default: the backend's, bounded: through a "
+                         "pool of --pool-bytes)")
+    ap.add_argument("--staging-device", choices=["host", "device"], default="",
+                    help="with --staging staged: where the copy lives (default: the backend's, host)")
     ap.add_argument("--pool-bytes", type=int, default=1 << 20)
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--save-weights", default="", help="save the trainer's full weights after each step here")
@@ -234,7 +238,7 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
             p.start()
         t0 = time.perf_counter()
         engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel, args.pp,
-                                                                                        args.staging, args.pool_bytes)
+                                                                                        args.staging, args.staging_device, args.pool_bytes)
         results["engine_start_seconds"] = time.perf_counter() - t0
         for _ in range(args.steps):
             for g in go:

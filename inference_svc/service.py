@@ -28,6 +28,7 @@ from reshard.common.layout.wire import layout_fingerprint, layout_from_bytes
 from reshard.common.plan import verify
 from reshard.common.plan.cache import PlanCache
 from reshard.common.plan.planner import Plan
+from reshard.inference_svc.stagings import TEARS
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as rgrpc
 from reshard.proto import worker_pb2 as wpb
@@ -192,7 +193,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     @property
     def inplace(self) -> bool:
         """Whether a failed transfer tears what ranks serve: some worker receives in place."""
-        return any(w.hello.staging in ("inplace", "bounded") for w in self.hub.alive())
+        return any(w.hello.staging in TEARS for w in self.hub.alive())
 
     def _on_disconnect(self, conn: WorkerConn) -> None:
         u = self.update

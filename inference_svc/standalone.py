@@ -22,7 +22,8 @@ from reshard.common.models.frameworks import build
 from reshard.proto import reshard_pb2 as pb
 from reshard.tools.synth import init_box
 
-from .worker import STAGINGS, InferenceWorker
+from .stagings import STANDALONE
+from .worker import InferenceWorker
 
 log = logging.getLogger("reshard.inference")
 CHECKPOINT = pb.Version(run="checkpoint", step=0)
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--staging", default=None, choices=STAGINGS, help="how updates are staged (default shadow)")
-    ap.add_argument("--mode", dest="deprecated_mode", default=None, choices=STAGINGS,
+    ap.add_argument("--staging", default=None, choices=STANDALONE, help="how updates are staged (default shadow)")
+    ap.add_argument("--mode", dest="deprecated_mode", default=None, choices=STANDALONE,
                     help=argparse.SUPPRESS)  # the earlier name of --staging: still taken, with a warning
     ap.add_argument("--layout", default="", help="layout spec, e.g. framework=vllm,tp=2,dp=2 (default: vllm TP over all ranks)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")

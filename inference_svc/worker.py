@@ -9,7 +9,11 @@ until a full update succeeds. Bounded (`bounded`): no copy of the weights at all
 update is received through a pool of `pool_bytes` (inference_svc/pool.py), each group of
 buffers handed to `load` as soon as it has landed, serving paused for the whole update;
 verified at the end like the others, and a failure leaves what it loaded torn (NOT_SERVING
-until a full update succeeds)."""
+until a full update succeeds). Staged (`staged`): received through the pool as in bounded,
+but `load` writes each buffer into a copy the engine keeps elsewhere (host memory, so the
+device holds only the pool) while the engine serves; the engine loads that copy when it
+asks for the version. A failure leaves that copy torn (NOT_SERVING until a full update),
+never what the engine serves."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from reshard.common.dataplane.checksum import box_checksum
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, TensorSpec, dtype_of
 from reshard.common.plan.verify import check_rank
 from reshard.inference_svc.pool import DEFAULT_POOL_BYTES, BoundedStaging, LoadFn
+from reshard.inference_svc.stagings import POOLED, STAGINGS, TEARS
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 
@@ -41,7 +46,6 @@ READ_CHUNK = 1 << 20  # bytes of one ReadPiece message: an intersection larger t
 READ_LOCK_TIMEOUT = 5.0  # a read back waits at most this long for a commit's copy to end
 READ_RETRIES = 8  # copies of a region a read back makes while commits overlap it
 READ_WAIT_S = 0.002  # between looks at a commit in progress
-STAGINGS = ("shadow", "inplace", "bounded")  # how a worker stages an update (InferenceWorker(staging=...), Hello.staging)
 _mode_warned = False
 
 
@@ -66,7 +70,7 @@ class InferenceWorker(WorkerBase):
                  model: str = "", fault: dict[str, float] | None = None, security: Security | None = None,
                  mode: str | None = None, pool_bytes: int = DEFAULT_POOL_BYTES, load: LoadFn | None = None,
                  load_groups: dict[str, str] | None = None, device: str | None = None) -> None:
-        """`staging`: "shadow" (the default), "inplace" or "bounded" (see the module doc). `mode` is its
+        """`staging`: "shadow" (the default), "inplace", "bounded" or "staged" (see the module doc). `mode` is its
         deprecated earlier name (a DeprecationWarning, once). Bounded staging only: `pool_bytes`, the
         pool it receives through; `load(tensors)`, which loads a complete group of buffers (name ->
         tensor, valid during the call) into the engine (default: copied into the buffers given here);
@@ -84,9 +88,9 @@ class InferenceWorker(WorkerBase):
         super().__init__(controller, rank, world, tensors, buffers, model=model, fault=fault, security=security)
         self.staging = staging
         self.holds_copy = self.device != "meta"  # False: the engine holds the weights (bounded, meta buffers)
-        if not self.holds_copy and staging == "bounded":
+        if not self.holds_copy and staging in POOLED:
             if load is None or device is None:
-                raise ValueError("bounded staging over meta buffers (no copy of the weights) needs a load function and device=")
+                raise ValueError(f"{staging} staging over meta buffers (no copy of the weights) needs a load function and device=")
             from reshard.common.dataplane.backend import device_uuid
             from reshard.common.dataplane.engine import StagingPool
 
@@ -100,7 +104,7 @@ class InferenceWorker(WorkerBase):
         # update writes) commits what the shadow holds for what it does not carry.
         self.shadow = {n: t.clone() for n, t in self.live.items()} if staging == "shadow" else None
         self.bounded = BoundedStaging(self.descs, self.shapes, self.device, pool_bytes, load_groups) \
-            if staging == "bounded" else None
+            if staging in POOLED else None
         if self.bounded is not None:  # the plan sends this rank's buffers in order, half the pool at a time
             self.receive_window = max(1, pool_bytes // 2)
         self._load = load or self._load_into_live
@@ -204,8 +208,9 @@ class InferenceWorker(WorkerBase):
         return self.staging
 
     def _pauses(self) -> bool:
-        """Whether this staging overwrites what the engine serves during the transfer."""
-        return self.staging in ("inplace", "bounded")
+        """Whether this staging overwrites, during the transfer, what the engine serves or (staged) the
+        one copy it loads from: the rank is held (`serving()` waits) and a failure leaves it torn."""
+        return self.staging in TEARS
 
     def before_transfer(self, p: wpb.Prepare) -> None:
         if self.bounded is not None:
@@ -222,10 +227,10 @@ class InferenceWorker(WorkerBase):
     def _check_bounded(self, p: wpb.Prepare) -> None:
         """What bounded staging cannot take, refused before anything moves (the update fails with it)."""
         if p.method and p.method != RESHARD:
-            raise LayoutError(f"inference rank {self.rank} stages bounded: transfer method {p.method!r} writes whole "
+            raise LayoutError(f"inference rank {self.rank} stages {self.staging}: transfer method {p.method!r} writes whole "
                               "models at once; use the reshard method")
         if p.session.transport in ("ipc", "hybrid"):
-            raise LayoutError(f"inference rank {self.rank} stages bounded: a {p.session.transport} session writes "
+            raise LayoutError(f"inference rank {self.rank} stages {self.staging}: a {p.session.transport} session writes "
                               "its buffers directly; stage inplace or shadow with workers sharing a GPU")
         if p.tensors:
             carried = set(p.tensors)
@@ -233,14 +238,14 @@ class InferenceWorker(WorkerBase):
                 held = {q.tensor for q in desc.pieces}
                 if held & carried and not held <= carried:
                     other = sorted(held - carried)[0]
-                    raise LayoutError(f"inference rank {self.rank} stages bounded and loads whole buffers: buffer "
+                    raise LayoutError(f"inference rank {self.rank} stages {self.staging} and loads whole buffers: buffer "
                                       f"{name!r} also holds {other!r}, which this partial update does not carry "
                                       "(carry it too, or stage inplace or shadow)")
             for group, names in self.bounded.members.items():
                 hit = [n for n in names if any(q.tensor in carried for q in self.descs[n].pieces)]
                 if hit and len(hit) < len(names):
                     other = sorted({q.tensor for n in names if n not in hit for q in self.descs[n].pieces})[0]
-                    raise LayoutError(f"inference rank {self.rank} stages bounded and loads whole modules: {group!r} "
+                    raise LayoutError(f"inference rank {self.rank} stages {self.staging} and loads whole modules: {group!r} "
                                       f"also holds {other!r}, which this partial update does not carry (carry it too, "
                                       "or stage inplace or shadow)")
 
@@ -407,7 +412,7 @@ class InferenceWorker(WorkerBase):
         that overlapped a commit is made again, so a region is never torn and its version is the one
         it was copied under."""
         if not self.holds_copy:
-            raise RuntimeError(f"inference rank {self.rank} stages bounded and holds no copy of its weights (the engine "
+            raise RuntimeError(f"inference rank {self.rank} stages {self.staging} and holds no copy of its weights (the engine "
                                "does): read them back from the engine, or stage inplace or shadow")
         self._refuse_inplace()
         region = self._read_region(r)

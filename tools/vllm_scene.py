@@ -263,10 +263,13 @@ def run(a) -> int:
                                tr_w, "--inference", inf, "--run", "demo", "--model", name, "--update-timeout", "600"],
                               stdout=clog, stderr=clog)]
     trainers = Trainers(world, tr_w, tmp)
-    staging = getattr(a, "staging", "inplace")
-    pool_bytes = getattr(a, "pool_bytes", 128 << 20) if staging == "bounded" else 0
+    staging = getattr(a, "staging", "bounded")
+    staging_device = (getattr(a, "staging_device", "") or "host") if staging == "staged" else ""
+    pooled = staging == "bounded" or staging_device == "host"  # received through a pool on the device
+    pool_bytes = getattr(a, "pool_bytes", 128 << 20) if pooled else 0
     results: dict = {"model": name, "engine": "vllm", "trainer": f"FSDP2 x{world}", "inference": f"vLLM TP={tp}",
-                     "transport": "gloo", "staging": staging, "pool_bytes": pool_bytes, "updates": [], "baseline": []}
+                     "transport": "gloo", "staging": staging, "staging_device": staging_device, "pool_bytes": pool_bytes,
+                     "updates": [], "baseline": []}
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -287,6 +290,7 @@ def run(a) -> int:
         steady = mem.now()
         mem.start()
         llm.init_weight_transfer_engine({"init_info": {"controller": inf_w, "timeout": 600, "staging": staging,
+                                                       **({"staging_device": staging_device} if staging_device else {}),
                                                        **({"pool_bytes": pool_bytes} if pool_bytes else {})}})
         results["engine_start_seconds"] = time.perf_counter() - t0
         results["weights_bytes_per_rank"] = payload // tp
@@ -332,7 +336,8 @@ def run(a) -> int:
         results["extra_fraction_of_weights"] = results["extra_bytes_per_rank"] / max(1, results["weights_bytes_per_rank"])
         results["stall_s"] = statistics.median([u["stall_s"] for u in results["updates"] if not u["cold"]]
                                                or [u["stall_s"] for u in results["updates"]])
-        print(f"  {staging} staging: {results['extra_bytes_per_rank'] / 1e6:.1f} MB extra per rank (measured, "
+        print(f"  {staging} staging{f' ({staging_device})' if staging_device else ''}: "
+              f"{results['extra_bytes_per_rank'] / 1e6:.1f} MB extra per rank (measured, "
               f"{100 * results['extra_fraction_of_weights']:.0f}% of its {results['weights_bytes_per_rank'] / 1e6:.1f} MB "
               f"of weights); generation paused {results['stall_s']:.3f} s per update", file=log, flush=True)
         want = reference()

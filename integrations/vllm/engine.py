@@ -34,10 +34,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from reshard.common.control.security import Security
-from reshard.inference_svc.worker import STAGINGS, InferenceWorker
+from reshard.inference_svc.worker import InferenceWorker
 from reshard.integrations.vllm.layout import RankLayout, rank_layout
 
 log = logging.getLogger("vllm.reshard")  # under vLLM's logger: its handlers and level apply
+STAGINGS = ("bounded", "staged", "shadow")  # the init info's `staging` (and `inplace`, staged's earlier name)
+STAGING_DEVICES = ("host", "device")  # where `staged` keeps its copy
 _mode_warned = False
 
 
@@ -47,7 +49,7 @@ def _warn_mode() -> None:
     global _mode_warned
     if not _mode_warned:
         _mode_warned = True
-        msg = "the reshard init info's `mode` is deprecated: give `staging` (inplace | shadow)"
+        msg = "the reshard init info's `mode` is deprecated: give `staging` (bounded | staged | shadow)"
         warnings.warn(msg, DeprecationWarning, stacklevel=4)
         log.warning(msg)
 
@@ -65,13 +67,20 @@ class ReshardInitInfo(WeightTransferInitInfo):
     timeout: float = 600.0
     """Default seconds an `update_weights` waits for its version."""
     staging: str = ""
-    """`inplace` (the default: one staging copy; a failed transfer leaves it torn until a full update,
-    while vLLM serves what it loaded), `shadow` (two copies: the staging copy always holds the
-    last committed version) or `bounded` (no copy: the update is received through a pool of
-    `pool_bytes` while vLLM is inside `update_weights`, each module loaded as soon as it arrived;
-    a failed transfer leaves the modules it loaded torn until a full update)."""
+    """`bounded` (the default: no copy of the weights; the update is received through a pool of
+    `pool_bytes` on the device while vLLM is inside `update_weights`, each module loaded as soon as
+    it arrived; a failed transfer leaves the modules it loaded torn until a full update),
+    `staged` (one copy of the weights, in host memory or on the device: `staging_device`, received
+    while vLLM serves; only the load pauses generation; a failed transfer leaves the copy torn
+    until a full update, while vLLM serves what it loaded) or `shadow` (two copies on the device:
+    the staging copy always holds the last committed version). `inplace`, the earlier name of
+    `staged` on the device, is still taken."""
+    staging_device: str = ""
+    """Staged: where the copy lives, `host` (the default: host memory, the update received through
+    a pool of `pool_bytes` on the device) or `device` (the copy on vLLM's device, received straight
+    into it)."""
     pool_bytes: int = 256 << 20
-    """Bounded staging: the pool an update is received through, bytes."""
+    """Bounded and staged in host memory: the pool on the device an update is received through, bytes."""
     run: str = ""
     """The training run whose versions this deployment takes; empty: the trainer's."""
     mode: str = ""
@@ -84,9 +93,20 @@ class ReshardInitInfo(WeightTransferInitInfo):
                                  "deprecated name) disagree: give staging only")
             _warn_mode()
             self.staging = self.mode
-        self.staging = self.staging or "inplace"
+        self.staging = self.staging or "bounded"
+        if self.staging == "inplace":  # the earlier name of staged on the device
+            if self.staging_device not in ("", "device"):
+                raise ValueError(f"the reshard init info's staging 'inplace' is staged on the device, not on "
+                                 f"{self.staging_device!r}: give staging='staged', staging_device={self.staging_device!r}")
+            self.staging, self.staging_device = "staged", "device"
         if self.staging not in STAGINGS:
             raise ValueError(f"the reshard init info's staging must be one of {', '.join(STAGINGS)}, not {self.staging!r}")
+        if self.staging_device and self.staging != "staged":
+            raise ValueError(f"the reshard init info's staging_device applies to staging='staged', not {self.staging!r}")
+        self.staging_device = self.staging_device or ("host" if self.staging == "staged" else "")
+        if self.staging == "staged" and self.staging_device not in STAGING_DEVICES:
+            raise ValueError(f"the reshard init info's staging_device must be one of {', '.join(STAGING_DEVICES)}, "
+                             f"not {self.staging_device!r}")
         if self.pool_bytes < 1 << 20:
             raise ValueError(f"the reshard init info's pool_bytes must be at least 1 MiB, not {self.pool_bytes}")
 
@@ -154,6 +174,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         self.known: set[str] = set()  # buffers whose staging copy holds the weights vLLM serves
         self.loaded: tuple[str, int] | None = None  # (run, step) loaded into the model
         self.info: ReshardInitInfo | None = None
+        self.host: dict[str, torch.Tensor] | None = None  # staged in host memory: the copy vLLM loads from
 
     # -- vLLM's calls ------------------------------------------------------------------
     def init_transfer_engine(self, info: ReshardInitInfo) -> None:
@@ -164,21 +185,28 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             self.shutdown()
         self.info = info
         self.layout = layout = rank_layout(self.model)
-        bounded = info.staging == "bounded"
+        # Bounded, and staged in host memory: the worker's buffers are meta tensors (no copy on the
+        # device); vLLM's own parameters, or the host copy, hold the weights.
+        pooled = info.staging == "bounded" or info.staging_device == "host"
+        self.host = {b.name: self._initial(b, "cpu") for b in layout.buffers} if info.staging_device == "host" else None
         live = {}
-        for b in layout.buffers:  # bounded: no copy (meta tensors), vLLM's own parameters hold the weights
-            live[b.name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype), device="meta") if bounded else self._initial(b)
+        for b in layout.buffers:
+            live[b.name] = torch.empty(b.shape, dtype=getattr(torch, b.dtype), device="meta") if pooled else self._initial(b)
         security = Security.from_env(**({"ca": info.tls_ca} if info.tls_ca else {}))
         if info.token:
             security = dataclasses.replace(security, tokens=(("worker", info.token),))
-        extra = {}
-        if bounded:
-            extra = dict(pool_bytes=info.pool_bytes, load=self._load_group, load_groups=self._module_groups(),
-                         device=str(torch.device(self.device)), pause=self._await_update_call, resume=self._end_reload)
+        extra, staging = {}, {"staged": "staged" if pooled else "inplace"}.get(info.staging, info.staging)
+        if pooled:
+            extra = dict(pool_bytes=info.pool_bytes, device=str(torch.device(self.device)))
+        if info.staging == "bounded":
+            extra.update(load=self._load_group, load_groups=self._module_groups(), pause=self._await_update_call,
+                         resume=self._end_reload)
+        elif pooled:  # staged in host memory: each buffer copied there as it lands, while vLLM serves
+            extra.update(load=self._to_host)
         self._update_called = threading.Event()  # bounded: vLLM is inside update_weights (generation paused)
         self._reloading = False
         self.worker = _Worker(info.controller, self.rank, self.world, layout.tensors,
-                              {b.name: (b, live[b.name]) for b in layout.buffers}, staging=info.staging,
+                              {b.name: (b, live[b.name]) for b in layout.buffers}, staging=staging,
                               model=type(self.model).__name__, security=security, **extra).start()
         if not self.worker.wait_connected(info.connect_timeout):
             err, refused = self.worker.last_error, self.worker.refused
@@ -189,10 +217,14 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             raise RuntimeError(f"vLLM rank {self.rank}: the reshard inference controller at {info.controller} did not "
                                f"accept this rank within {info.connect_timeout:.0f}s" + (f": {err}" if err else ""))
         weights = sum(b.nbytes for b in layout.buffers)
-        extra_bytes = {"inplace": weights, "shadow": 2 * weights, "bounded": info.pool_bytes}[info.staging]
-        log.info("vLLM rank %d/%d attached to %s: %d buffers, %.1f MB; %s staging holds %.1f MB more (%.0f%% of its "
-                 "weights)", self.rank, self.world, info.controller, len(layout.buffers), weights / 1e6, info.staging,
-                 extra_bytes / 1e6, 100 * extra_bytes / max(1, weights))
+        on_device = {"bounded": info.pool_bytes, "shadow": 2 * weights,
+                     "staged": info.pool_bytes if pooled else weights}[info.staging]
+        in_host = weights if self.host is not None else 0
+        log.info("vLLM rank %d/%d attached to %s: %d buffers, %.1f MB; %s staging%s holds %.1f MB more on %s (%.0f%% "
+                 "of its weights)%s", self.rank, self.world, info.controller, len(layout.buffers), weights / 1e6,
+                 info.staging, f" ({info.staging_device})" if info.staging_device else "", on_device / 1e6,
+                 torch.device(self.device).type, 100 * on_device / max(1, weights),
+                 f" and {in_host / 1e6:.1f} MB in host memory" if in_host else "")
 
     def start_weight_update(self) -> None:
         self._need_worker()
@@ -226,7 +258,8 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
                 raise RuntimeError(f"vLLM rank {self.rank}: step {info.step} was superseded by step {v.step} before "
                                    f"vLLM asked for it; ask for step {v.step} (or -1: the newest)")
             t0 = time.perf_counter()
-            n = self._load(w.dirty) if w.holds_copy else 0  # bounded: each module was loaded as it arrived
+            # bounded: each module was loaded as it arrived; staged: from the copy (host or device)
+            n = self._load(w.dirty) if w.holds_copy or self.host is not None else 0
             w.dirty = set()
             self.loaded = (v.run, v.step)
         self.last_load_seconds = time.perf_counter() - t0
@@ -248,16 +281,27 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
                                "init_weight_transfer_engine({'init_info': {'controller': ...}}) first")
         return self.worker
 
-    def _initial(self, b) -> torch.Tensor:
-        """A staging buffer, holding the model's current weights where they can be read (a CPU
-        linear layer's weight is repacked after loading and cannot)."""
-        t = torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=self.device)
+    def _initial(self, b, device=None) -> torch.Tensor:
+        """A staging buffer on `device` (default vLLM's), holding the model's current weights where
+        they can be read (a CPU linear layer's weight is repacked after loading and cannot). In host
+        memory beside a GPU it is pinned (copies to and from the device run at full speed)."""
+        device = torch.device(device or self.device)
+        pin = device.type == "cpu" and torch.device(self.device).type == "cuda"
+        t = torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=device, pin_memory=pin)
         target = next(x for x in self.layout.targets if x.buffer == b.name)
         live = getattr(self.model.get_submodule(target.module), target.param)
         if tuple(live.shape) == b.shape and live.dtype == t.dtype:
             t.copy_(live.detach())
             self.known.add(b.name)
         return t
+
+    @torch.no_grad()
+    def _to_host(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Staged in host memory: a buffer that landed in the pool, copied into the host copy (before
+        its pool space is reused: the copy is synchronous). vLLM loads that copy when asked."""
+        for name, t in tensors.items():
+            self.host[name].copy_(t)
+            self.known.add(name)
 
     # -- bounded staging: modules loaded as they arrive, inside update_weights -----------------
     def _module_groups(self) -> dict[str, str]:
@@ -339,7 +383,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         through vLLM's layerwise reload; on failure every module gets its kernel weights back."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        layout, staged = self.layout, self.worker.live
+        layout, staged = self.layout, self.host if self.host is not None else self.worker.live
         bufs = {b.name: b for b in layout.buffers}
         by_module: dict[str, list] = {}
         for t in layout.targets:

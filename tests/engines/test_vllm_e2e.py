@@ -43,17 +43,21 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
 
 
 @pytest.mark.parametrize("example,model,extra", [
-    # slow too (about 45 s, the largest quick test): `make test` keeps under 300 s on 2 cores; CI runs it in test-slow
+    # slow too (about 45 s, the largest quick test): `make test` keeps under 300 s on 2 cores; CI runs it in test-slow.
+    # The backend's default staging, bounded: no copy of the weights, each module loaded through a 1 MiB pool
+    # inside update_weights
     pytest.param("vllm_fsdp2.py", "llama", (), marks=pytest.mark.slow, id="fsdp2-llama"),
     # slow: each starts another vLLM engine (about 50 s)
     pytest.param("vllm_fsdp2.py", "mixtral", (), marks=pytest.mark.slow, id="fsdp2-mixtral-tp"),  # stacked experts split by TP
     # Mixtral with --expert-parallel is not here: vLLM's CPU build crashes in its own fused-MoE kernel
     # under expert parallelism (with or without reshard); test_vllm_moe_layout.py checks that layout.
     pytest.param("vllm_fsdp2.py", "llama", ("--server",), marks=pytest.mark.slow, id="fsdp2-llama-server"),  # a vLLM server driven over HTTP
-    # bounded staging: no copy of the weights, each module loaded through a 1 MiB pool inside update_weights
-    pytest.param("vllm_fsdp2.py", "llama", ("--staging", "bounded", "--pool-bytes", str(1 << 20)), marks=pytest.mark.slow,
-                 id="fsdp2-llama-bounded"),
-    pytest.param("vllm_megatron.py", "llama-gqa", (), marks=pytest.mark.slow, id="megatron-llama"),  # a Megatron-core trainer
+    # staged in host memory: received through a 1 MiB pool into a host copy while vLLM serves, loaded at update_weights
+    pytest.param("vllm_fsdp2.py", "llama", ("--staging", "staged", "--pool-bytes", str(1 << 20)), marks=pytest.mark.slow,
+                 id="fsdp2-llama-staged-host"),
+    # a Megatron-core trainer; staged on the device (one copy beside vLLM's, received straight into it)
+    pytest.param("vllm_megatron.py", "llama-gqa", ("--staging", "staged", "--staging-device", "device"),
+                 marks=pytest.mark.slow, id="megatron-llama-staged-device"),
 ])
 def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
@@ -80,12 +84,19 @@ def test_trainer_to_vllm_tp2_matches_hf(tmp_path, example, model, extra):
     assert len(seen) == 3, "the generations did not change between steps: the updates did not take effect"
 
 
-@pytest.mark.slow  # a third vLLM engine start (about 50 s); the cases above run the same backend
-def test_demo_engine_vllm_reports_every_update_and_the_speedup():
+@pytest.mark.slow  # a vLLM engine start each (about 50 s); the cases above run the same backend
+@pytest.mark.parametrize("staging", [(), ("--staging", "staged"), ("--staging", "shadow")],
+                         ids=["bounded", "staged-host", "shadow"])
+def test_demo_engine_vllm_reports_every_update_and_the_speedup(staging):
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "demo", "--engine", "vllm", "--vllm-model", "llama-tiny",
-                        "--updates", "2", "--baseline-updates", "1", "--json"], capture_output=True, text=True, timeout=600)
+                        "--updates", "2", "--baseline-updates", "1", "--pool-bytes", str(4 << 20), "--json", *staging],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-6000:]
     out = json.loads(r.stdout)
+    mode = staging[1] if staging else "bounded"  # the default: no copy of the weights
+    assert (out["staging"], out["staging_device"], out["pool_bytes"]) == \
+        {"bounded": ("bounded", "", 4 << 20), "staged": ("staged", "host", 4 << 20), "shadow": ("shadow", "", 0)}[mode]
+    assert out["weights_bytes_per_rank"] > 0 and out["extra_bytes_per_rank"] >= 0 and out["stall_s"] > 0
     assert [u["version"] for u in out["updates"]] == ["demo:1", "demo:2"]
     for u in out["updates"]:
         assert u["verified"] and u["tokens_match"] and u["bytes"] > 0 and u["seconds"] > 0

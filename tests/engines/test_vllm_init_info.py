@@ -1,4 +1,4 @@
-"""The vLLM backend's init info: `staging` (inplace by default), and `mode`, its earlier name, still
+"""The vLLM backend's init info: `staging` (bounded by default), and `mode`, its earlier name, still
 taken with a warning (no vLLM engine starts: the dataclass alone, as vLLM's parse_init_info builds it)."""
 
 import warnings
@@ -11,7 +11,9 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make instal
 def test_init_info_takes_staging_and_its_deprecated_name_mode(monkeypatch, caplog):
     from reshard.integrations.vllm import engine
 
-    assert engine.ReshardInitInfo(controller="c").staging == "inplace"
+    # The default holds no copy of the weights on the device (issue 29, item 1)
+    assert (engine.ReshardInitInfo(controller="c").staging, engine.ReshardInitInfo(controller="c").staging_device) \
+        == ("bounded", "")
     assert engine.ReshardInitInfo(controller="c", staging="shadow").staging == "shadow"
     monkeypatch.setattr(engine, "_mode_warned", False)
     with pytest.warns(DeprecationWarning, match="`mode` is deprecated: give `staging`"):
@@ -19,11 +21,27 @@ def test_init_info_takes_staging_and_its_deprecated_name_mode(monkeypatch, caplo
     assert info.staging == "shadow" and "`mode` is deprecated" in caplog.text  # vLLM's log says it too
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
-        assert engine.ReshardInitInfo(controller="c", mode="inplace", staging="inplace").staging == "inplace"
+        info = engine.ReshardInitInfo(controller="c", mode="inplace", staging="inplace")
+        assert (info.staging, info.staging_device) == ("staged", "device")  # inplace: staged's earlier name
     with pytest.raises(ValueError, match="disagree"):
         engine.ReshardInitInfo(controller="c", staging="inplace", mode="shadow")
-    with pytest.raises(ValueError, match="staging must be one of shadow, inplace, bounded, not 'both'"):
+    with pytest.raises(ValueError, match="staging must be one of bounded, staged, shadow, not 'both'"):
         engine.ReshardInitInfo(controller="c", staging="both")
+
+
+def test_staged_keeps_its_copy_in_host_memory_unless_told():
+    from reshard.integrations.vllm import engine
+
+    info = engine.ReshardInitInfo(controller="c", staging="staged")
+    assert (info.staging, info.staging_device) == ("staged", "host")
+    info = engine.ReshardInitInfo(controller="c", staging="staged", staging_device="device")
+    assert (info.staging, info.staging_device) == ("staged", "device")
+    with pytest.raises(ValueError, match="staging_device must be one of host, device, not 'disk'"):
+        engine.ReshardInitInfo(controller="c", staging="staged", staging_device="disk")
+    with pytest.raises(ValueError, match="staging_device applies to staging='staged', not 'bounded'"):
+        engine.ReshardInitInfo(controller="c", staging_device="host")
+    with pytest.raises(ValueError, match="'inplace' is staged on the device"):
+        engine.ReshardInitInfo(controller="c", staging="inplace", staging_device="host")
 
 
 def test_deployment_rank_numbers_every_replica_and_stage_once():

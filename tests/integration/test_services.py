@@ -210,6 +210,10 @@ def test_demo_json_small():
         assert set(u["phases"]) == {"negotiate", "connect", "transfer", "verify", "commit"}
         assert all(v >= 0 for v in u["phases"].values()) and sum(u["phases"].values()) <= u["seconds"] + 0.05
     assert out["baseline_seconds"] > 0 and out["speedup_vs_serialized"] > 0
+    # The fixed cost per update: partial updates of the smallest tensor, a few bytes, every phase
+    fixed = out["fixed_cost_updates"]
+    assert len(fixed) == 3 and all(f["verified"] and 0 < f["bytes"] < 1 << 16 for f in fixed), fixed
+    assert out["fixed_cost_s"] == sorted(f["seconds"] for f in fixed)[1]
 
 
 def test_serialized_baseline_delivers_the_same(cluster):
