@@ -345,8 +345,12 @@ class InferenceWorker(WorkerBase):
                     # The engine is paused at a step boundary, but a step returns before its kernels end:
                     # whatever any stream of this process queued (reading the live weights) runs first.
                     torch.cuda.synchronize(self.device)
+                # The buffers this update wrote (a partial update: those holding a tensor it carried);
+                # the others' live weights already are the committed version.
+                carried = self._carrying
                 for n, t in self.live.items():
-                    t.copy_(self.shadow[n])
+                    if carried is None or any(p.tensor in carried for p in self.descs[n].pieces):
+                        t.copy_(self.shadow[n])
                 if cuda:  # and the engine's next step sees whole weights
                     torch.cuda.current_stream(self.device).synchronize()
             for hook in self.commit_hooks:

@@ -617,6 +617,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         now = time.monotonic()
         if u.phase is not None:
             u.record.phase_seconds[u.phase.value.lower()] = now - (u.t0 if u.phase == Phase.NEGOTIATE else u.entered)
+            if u.phase == Phase.TRANSFER:
+                u.record.transfer_seconds = now - u.entered
         u.phase, u.entered = phase, now
         self.phase = u.d.phase = phase
         faults.at_phase("trainer", phase.value, workers=self.hub)
@@ -690,7 +692,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
 
     async def _verify_and_commit(self, u: "_Attempt") -> pb.FinishUpdateReply:
         """The sources' checksums to inference, which verifies and commits on all its ranks or none."""
-        u.record.transfer_seconds = time.monotonic() - u.entered
         reports = [td.checksums for td in self._done.values() if td.HasField("checksums")]
         values = await asyncio.get_running_loop().run_in_executor(None, verify.merge_reports, u.plan, reports)
         req = pb.FinishUpdateRequest(update_id=u.uid, expected=verify.dense(u.plan, values))
@@ -705,7 +706,6 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         d.last_error = ""
         record.ok, record.verified, record.verify_seconds = True, True, rep.verify_seconds
         phases = record.phase_seconds
-        phases["transfer"] = record.transfer_seconds
         phases["verify"], phases["commit"] = rep.verify_seconds, rep.commit_seconds
         record.bytes, record.requests_during = rep.bytes, rep.requests_during
         record.tensors = len(u.names) if u.names else len(u.dst.tensors)

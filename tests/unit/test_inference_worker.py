@@ -122,5 +122,5 @@ def test_staging_and_its_deprecated_name_mode(monkeypatch):
         assert make(mode="shadow", staging="shadow").staging == "shadow" and w.mode == "inplace"
     with pytest.raises(ValueError, match="disagree"):
         make(staging="shadow", mode="inplace")
-    with pytest.raises(ValueError, match="staging must be one of shadow, inplace, bounded, not 'both'"):
+    with pytest.raises(ValueError, match="staging must be one of shadow, inplace, bounded, staged, not 'both'"):
         make(staging="both")
