@@ -161,6 +161,21 @@ def deployment_rank(pc) -> tuple[int, int]:
     return dp_index * per_replica + pc.rank, dp * per_replica
 
 
+def load_target(layer: torch.nn.Module, target, tensor: torch.Tensor) -> None:
+    """Write a buffer into its parameter of a layer vLLM's reload materialized: as it is, or (block
+    FP8) quantized whole block by whole block, values into the parameter and scales into its
+    `_scale_inv`, as an FP8 checkpoint holds them (common/quant.py)."""
+    param = getattr(layer, target.param)
+    if target.quant is None:
+        param.data.copy_(tensor)
+        return
+    from reshard.common.quant import fp8_block_quantize
+
+    values, scales = fp8_block_quantize(tensor, target.quant)
+    param.data.copy_(values)
+    getattr(layer, f"{target.param}_scale_inv").data.copy_(scales)
+
+
 class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
@@ -365,7 +380,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             info = get_layerwise_info(layer)
             materialize_layer(layer, info)
             for t in by_module[m]:
-                getattr(layer, t.param).data.copy_(staged[t.buffer])
+                load_target(layer, t, staged[t.buffer])
                 self.known.add(t.buffer)
             _layerwise_process(layer, info)
             if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:

@@ -28,7 +28,19 @@ derives again): it is no buffer, and `RankLayout.derived` names it.
 
 A parameter shared by two modules (tied embeddings: `lm_head` holds `embed_tokens`'s weight; a
 DeepSeek gate's `e_score_correction_bias`, which its experts module holds too) is one buffer;
-both modules are targets of it, since each derives its own kernel data."""
+both modules are targets of it, since each derives its own kernel data.
+
+Quantized models: a layer of a block-FP8 checkpoint (`quantization_config` fp8 with
+`weight_block_size`, as DeepSeek-V3 and the Qwen3 FP8 models ship; float8_e4m3fn `weight`
+and a float32 `weight_scale_inv` per block) receives its weight unquantized, in the dtype the
+layer was built for (`orig_dtype`: what the trainer's weights are cast to), and the backend
+quantizes each whole block on the rank when it loads (`common/quant.py`, vLLM's own recipe),
+writing the values and their scales; `weight_scale_inv` is no buffer (`RankLayout.derived`).
+A rank's shard must be made of whole blocks (vLLM refuses other splits; so does this). vLLM's
+online quantization (`quantization="fp8"` over a bf16 checkpoint) records the checkpoint's
+bf16 weights for its reload, so its layers read like unquantized ones and vLLM quantizes them
+when it reloads. Any other quantized format (compressed-tensors, AWQ, GPTQ, modelopt, FP8
+experts, ...) is refused by name."""
 
 from __future__ import annotations
 
@@ -37,6 +49,7 @@ import dataclasses
 import torch
 
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
+from reshard.common.quant import FP8_BLOCK
 from reshard.integrations.names import FUSED, MOE_STACKED, fused_names, unfused, vllm_module_name
 
 # Parameters vLLM's record for reloading leaves out by design (`reload.meta.SKIP_TENSORS`) that
@@ -51,6 +64,9 @@ class Target:
     module: str
     param: str
     buffer: str
+    quant: tuple[int, int] | None = None
+    """Block FP8: the block (rows, columns) the buffer is quantized in when loaded into `param`,
+    its scales into `param`_scale_inv."""
 
 
 @dataclasses.dataclass
@@ -218,6 +234,49 @@ def _param_pieces(mname: str, module: torch.nn.Module, pname: str, shape: tuple[
     return [Piece(canonical, Box.full(shape), Box.full(shape))], []
 
 
+# Quantization methods whose layers read like unquantized ones (no method, or vLLM's own
+# unquantized ones; online quantization records the checkpoint's weights for its reload).
+PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+ONLINE = "online"
+
+
+def _quant_format(module: torch.nn.Module) -> str:
+    """The quantized format of a module's weights, as vLLM names it ('' when unquantized)."""
+    method = getattr(module, "quant_method", None)
+    if method is None or type(method).__name__ in PLAIN_METHODS:
+        return ""
+    config = getattr(method, "quant_config", None)
+    name = config.get_name() if config is not None and hasattr(config, "get_name") else type(method).__name__
+    return str(name)
+
+
+def _block_fp8(mname: str, module: torch.nn.Module, params: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+    """The block of a block-FP8 linear layer (None: not quantized, or quantized online); refuses
+    every other quantized format by name."""
+    fmt = _quant_format(module)
+    if not fmt or fmt == ONLINE or not params:  # no weights here (an FP8 KV cache's attention layer)
+        return None
+    weight = params.get("weight")
+    block = getattr(module, "weight_block_size", None)
+    if fmt == "fp8" and block and weight is not None and weight.dtype == torch.float8_e4m3fn \
+            and "weight_scale_inv" in params and weight.dim() == 2:
+        if tuple(block) != FP8_BLOCK:
+            raise LayoutError(f"{mname}: block FP8 in blocks of {list(block)}: reshard quantizes in blocks of "
+                              f"{list(FP8_BLOCK)}")
+        return tuple(block)
+    kind = f"{fmt} ({type(module.quant_method).__name__})"
+    raise LayoutError(f"{mname}: quantized format {kind} cannot be resharded; supported: unquantized weights, "
+                      "block FP8 checkpoints (fp8 with weight_block_size 128x128) and vLLM's online quantization")
+
+
+def _check_whole_blocks(bname: str, pieces: list[Piece], block: tuple[int, int]) -> None:
+    for p in pieces:
+        if any(o % b for o, b in zip((*p.box.offset, *p.region.offset), (*block, *block))):
+            raise LayoutError(f"{bname}: block FP8 is quantized where its {list(block)} blocks are whole, but this "
+                              f"rank holds {p.tensor} rows/columns from {list(p.box.offset)} (at {list(p.region.offset)} "
+                              "of its buffer): not on a block boundary")
+
+
 def rank_layout(model: torch.nn.Module) -> RankLayout:
     """This rank's buffers, their canonical tensors, and the parameters they load into."""
     arch = type(model).__name__
@@ -230,15 +289,20 @@ def rank_layout(model: torch.nn.Module) -> RankLayout:
 
     for mname, module in model.named_modules():
         params, made = _loadable_params(module)
+        block = _block_fp8(mname, module, params)
+        if block is not None:  # the scales are made on this rank from the weight, when it is loaded
+            made = [*made, "weight_scale_inv"]
+            params = {n: t for n, t in params.items() if n != "weight_scale_inv"}
         derived += [f"{mname}.{n}" for n in made]
         for pname, meta in params.items():
             live = module._parameters[pname]
             key = id(live)
+            quant = block if block is not None and pname == "weight" else None
             if key in owner:
-                targets.append(Target(mname, pname, owner[key]))
+                targets.append(Target(mname, pname, owner[key], quant))
                 continue
             shape = tuple(meta.shape)
-            dtype = _dtype(meta)
+            dtype = _dtype(meta) if quant is None else _dtype(torch.empty(0, dtype=module.orig_dtype))
 
             def add(name: str, tshape: tuple[int, ...], dtype: str = dtype) -> None:
                 spec = TensorSpec(name, tuple(tshape), dtype)
@@ -247,9 +311,11 @@ def rank_layout(model: torch.nn.Module) -> RankLayout:
 
             pieces, padding = _param_pieces(vllm_module_name(arch, mname), module, pname, shape, add, fused)
             bname = f"{mname}.{pname}"
+            if quant is not None:
+                _check_whole_blocks(bname, pieces, quant)
             owner[key] = bname
             buffers.append(LocalBuffer(bname, shape, dtype, tuple(pieces), tuple(padding)))
-            targets.append(Target(mname, pname, bname))
+            targets.append(Target(mname, pname, bname, quant))
     if not buffers:
         raise LayoutError(f"{type(model).__name__}: no loadable parameters found")
     return RankLayout(tensors, buffers, targets, derived)

@@ -1,0 +1,36 @@
+"""Block FP8: the recipe that turns a 2-D weight into float8_e4m3fn values and one float32 scale per
+block (128 x 128 by default), as DeepSeek-V3 and the Qwen3 FP8 checkpoints ship them and as vLLM
+quantizes online (`fp8_per_block`): per block, amax = max |x| in float32, at least 1e-4; the
+scale is amax / 448 (the largest e4m3fn value); the values are x * (1 / scale), cast to
+float8_e4m3fn; partial blocks at the edges count their elements alone. The scale tensor
+(`weight_scale_inv` in a checkpoint) is what multiplies the values back.
+
+A block's scale depends on every element of the block, so a block is quantized where it is
+whole: the vLLM backend quantizes on the inference rank, whose shard of a block-quantized layer
+is made of whole blocks (vLLM refuses a tensor-parallel split that is not)."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = (128, 128)
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = 1e-4  # an all-zero block gets this amax (its scale is not 0)
+
+
+def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float8_e4m3fn in x's shape, scales float32 [ceil(rows / block[0]), ceil(cols / block[1])])."""
+    if x.dim() != 2:
+        raise ValueError(f"block FP8 quantizes 2-D weights, not a tensor of shape {list(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"block FP8 quantizes floating-point weights, not {x.dtype}")
+    m, n = x.shape
+    bm, bn = block
+    gm, gn = -(-m // bm), -(-n // bn)
+    padded = x.new_zeros((gm * bm, gn * bn))  # zeros do not change a block's amax
+    padded[:m, :n] = x
+    blocks = padded.view(gm, bm, gn, bn)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    values = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
+    return values.view(gm * bm, gn * bn)[:m, :n].contiguous(), scale.view(gm, gn)

