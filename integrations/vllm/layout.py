@@ -245,6 +245,8 @@ def _quant_format(module: torch.nn.Module) -> str:
     method = getattr(module, "quant_method", None)
     if method is None or type(method).__name__ in PLAIN_METHODS:
         return ""
+    if ".quantization.online." in type(method).__module__:  # vLLM's online quantization (no quant_config)
+        return ONLINE
     config = getattr(method, "quant_config", None)
     name = config.get_name() if config is not None and hasattr(config, "get_name") else type(method).__name__
     return str(name)

@@ -1,4 +1,5 @@
-"""Block-FP8 targets (issue 29, item 3) against vLLM's own FP8 checkpoint loader, TP 2, CPU build.
+"""Block-FP8 targets (issue 29, item 3) against vLLM's own FP8 loading, TP 2, CPU build: an FP8
+checkpoint, and vLLM's online quantization in blocks (the same checks; see the test).
 
 A tiny Llama (hidden 256, heads of 128, so each rank's shard is whole 128 x 128 blocks) with
 random bf16 weights; its FP8 checkpoint is written by vLLM's own quantizer (`per_block_cast_to_fp8`,
@@ -43,8 +44,9 @@ def check(worker, bf16_dir, spoil):
     model = worker.model_runner.model
     eng = ReshardEngine(None, worker.vllm_config, worker.device, model)
     layout = eng.layout = rank_layout(model)
-    quant = [t for t in layout.targets if t.quant is not None]
+    quant = [t for t in layout.targets if hasattr(model.get_submodule(t.module), "weight_scale_inv") and t.param == "weight"]
     out = {"rank": eng.rank, "quantized": sorted(t.module for t in quant),
+           "quantized_here": sorted(t.module for t in quant if t.quant is not None),
            "dtypes": sorted({b.dtype for b in layout.buffers if b.name in {t.buffer for t in quant}}),
            "scales_derived": sorted(d for d in layout.derived if d.endswith("weight_scale_inv"))}
     ref = {}
@@ -79,7 +81,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    tmp = sys.argv[1]
+    tmp, mode = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=2, head_dim=128,
@@ -99,7 +101,8 @@ if __name__ == "__main__":
     c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                 "weight_block_size": [128, 128]}
     json.dump(c, open(os.path.join(fp8, "config.json"), "w"))
-    llm = LLM(model=fp8, tensor_parallel_size=2, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,
+    online = {"quantization": "fp8_per_block"} if mode == "online" else {}
+    llm = LLM(model=bf16 if online else fp8, **online, tensor_parallel_size=2, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,
               max_num_seqs=4, seed=0, enforce_eager=True, worker_extension_cls="fp8_cpu_kernel.Ext")
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": [1, 5, 9, 17]}, {"prompt_token_ids": [3, 200, 7]}]
@@ -116,12 +119,16 @@ if __name__ == "__main__":
 '''
 
 
-def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_checkpoint_load(tmp_path):
+@pytest.mark.parametrize("mode", ["checkpoint", "online"])
+def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_load(tmp_path, mode):
+    """checkpoint: vLLM serves the FP8 checkpoint; the backend quantizes on the rank. online: vLLM
+    serves the bf16 checkpoint quantized online in 128 x 128 blocks (`quantization="fp8_per_block"`);
+    the backend hands vLLM's reload bf16 weights and vLLM quantizes them again."""
     script = tmp_path / "fp8_check.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=600,
                        env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
@@ -130,6 +137,8 @@ def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_checkpoint_load(tmp_pa
     for rank, (spoiled, exact) in enumerate(zip(res["spoiled"], res["exact"])):
         assert spoiled["rank"] == exact["rank"] == rank
         assert exact["quantized"] == sorted(layers), exact  # every FP8 linear, read from the live model
+        # checkpoint: the backend quantizes them; online: vLLM's reload does
+        assert exact["quantized_here"] == (sorted(layers) if mode == "checkpoint" else []), exact
         assert exact["dtypes"] == ["bfloat16"], exact  # received unquantized, in the dtype the layers were built for
         assert exact["scales_derived"] == sorted(f"{m}.weight_scale_inv" for m in layers), exact
         assert exact["wrong"] == [], exact  # byte for byte what vLLM loaded from the FP8 checkpoint
