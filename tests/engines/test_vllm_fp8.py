@@ -10,7 +10,9 @@ Then the backend's own code path runs on the same engine: the rank's layout read
 model (block-FP8 weights received as bf16, their scales derived), its buffers filled from the
 bf16 canonical tensors by the layout's pieces, and the backend's load through vLLM's layerwise
 reload, quantizing each whole block on the rank. Every FP8 weight and scale must equal what vLLM
-loaded from the checkpoint, byte for byte, and vLLM must generate the same tokens.
+loaded from the checkpoint, byte for byte, and vLLM must generate the same tokens. Then (checkpoint)
+a real update through the services: `reshard inference` and `reshard trainer` with a trainer
+worker on fp32 masters of the same weights, the vLLM backend in its default (bounded) staging.
 
 Negative control, on the same engine after: one 128 x 128 block of k_proj scaled by 1.5 must make
 exactly the buffer holding it (layer 0's qkv_proj on rank 0) wrong, and nothing else."""
@@ -36,6 +38,18 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a f
 import torch
 
 
+def live_fp8(model, modules):
+    return {m: (model.get_submodule(m).weight.data.view(torch.uint8).clone(),
+                model.get_submodule(m).weight_scale_inv.data.clone()) for m in modules}
+
+
+def wrong_modules(worker):
+    """The FP8 layers whose live values or scales differ from what vLLM loaded at start."""
+    model, ref = worker.model_runner.model, worker.fp8_reference
+    now = live_fp8(model, ref)
+    return sorted(m for m, (w, s) in ref.items() if not (torch.equal(now[m][0], w) and torch.equal(now[m][1], s)))
+
+
 def check(worker, bf16_dir, spoil):
     from safetensors.torch import load_file
     from reshard.integrations.vllm.engine import ReshardEngine
@@ -49,10 +63,8 @@ def check(worker, bf16_dir, spoil):
            "quantized_here": sorted(t.module for t in quant if t.quant is not None),
            "dtypes": sorted({b.dtype for b in layout.buffers if b.name in {t.buffer for t in quant}}),
            "scales_derived": sorted(d for d in layout.derived if d.endswith("weight_scale_inv"))}
-    ref = {}
-    for t in quant:  # what vLLM loaded from the FP8 checkpoint (its quantizer)
-        layer = model.get_submodule(t.module)
-        ref[t.module] = (layer.weight.data.view(torch.uint8).clone(), layer.weight_scale_inv.data.clone())
+    if not hasattr(worker, "fp8_reference"):  # what vLLM loaded at start (the checkpoint's, or quantized online)
+        worker.fp8_reference = live_fp8(model, [t.module for t in quant])
     canon = {k: v for k, v in load_file(os.path.join(bf16_dir, "model.safetensors")).items()}
     for name, (rows, cols, factor) in spoil.items():
         canon[name] = canon[name].clone()
@@ -64,13 +76,7 @@ def check(worker, bf16_dir, spoil):
             p.view(buf).copy_(canon[p.tensor][p.box.slices()])
     eng.host = staged  # the backend's load reads the staged copy (staged in host memory)
     eng._load(None)
-    wrong = []
-    for t in quant:
-        layer = model.get_submodule(t.module)
-        w, s = ref[t.module]
-        if not (torch.equal(layer.weight.data.view(torch.uint8), w) and torch.equal(layer.weight_scale_inv.data, s)):
-            wrong.append(t.module)
-    out["wrong"] = wrong
+    out["wrong"] = wrong_modules(worker)
     return out
 
 
@@ -102,8 +108,9 @@ if __name__ == "__main__":
                                 "weight_block_size": [128, 128]}
     json.dump(c, open(os.path.join(fp8, "config.json"), "w"))
     online = {"quantization": "fp8_per_block"} if mode == "online" else {}
-    llm = LLM(model=bf16 if online else fp8, **online, tensor_parallel_size=2, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,
-              max_num_seqs=4, seed=0, enforce_eager=True, worker_extension_cls="fp8_cpu_kernel.Ext")
+    llm = LLM(model=bf16 if online else fp8, **online, tensor_parallel_size=2, dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=4, seed=0, enforce_eager=True, worker_extension_cls="fp8_cpu_kernel.Ext",
+              weight_transfer_config={"backend": "reshard"})
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": [1, 5, 9, 17]}, {"prompt_token_ids": [3, 200, 7]}]
 
@@ -111,11 +118,43 @@ if __name__ == "__main__":
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
     before = tokens()
-    exact = llm.collective_rpc(check, args=(bf16, {}))  # its reference: what vLLM loaded from the checkpoint
+    exact = llm.collective_rpc(check, args=(bf16, {}))
     after = tokens()
-    # Its reference: what the exact load left (equal to the checkpoint's where the exact load passed)
     spoiled = llm.collective_rpc(check, args=(bf16, {"model.layers.0.self_attn.k_proj.weight": (128, 128, 1.5)}))
-    print("RESULT " + json.dumps({"spoiled": spoiled, "exact": exact, "tokens_before": before, "tokens_after": after}), flush=True)
+    res = {"spoiled": spoiled, "exact": exact, "tokens_before": before, "tokens_after": after}
+    if mode == "checkpoint":  # then a real update through the services, from fp32 masters, into the spoiled engine
+        import subprocess, socket
+        from reshard.integrations.vllm import update
+        from reshard.trainer_svc.worker import TrainerWorker
+
+        def port():
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                return sk.getsockname()[1]
+
+        inf, inf_w, tr_w = f"127.0.0.1:{port()}", f"unix:{tmp}/inf.sock", f"unix:{tmp}/tr.sock"
+        cli = [sys.executable, "-m", "reshard.cli"]
+        log = open(os.path.join(tmp, "controllers.log"), "w")
+        procs = [subprocess.Popen([*cli, "inference", "--listen", inf, "--external-workers", "--workers", "2",
+                                   "--worker-listen", inf_w, "--model", "llama-fp8"], stdout=log, stderr=log),
+                 subprocess.Popen([*cli, "trainer", "--listen", f"127.0.0.1:{port()}", "--external-workers", "--workers",
+                                   "1", "--worker-listen", tr_w, "--inference", inf, "--run", "rl", "--model", "llama-fp8"],
+                                  stdout=log, stderr=log)]
+        try:
+            masters = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)  # fp32 masters
+            trainer = TrainerWorker.from_module(tr_w, masters, rank=0, world=1, run="rl").start()
+            llm.init_weight_transfer_engine({"init_info": {"controller": inf_w}})  # the default staging: bounded
+            handle = trainer.publish(1)
+            res["served"] = update(llm, 1, run="rl", timeout=300)  # bounded: the transfer runs inside update_weights
+            assert handle.wait(300), "step 1 was not committed"
+            res["after_update"] = llm.collective_rpc(wrong_modules)
+            res["tokens_after_update"] = tokens()
+            trainer.stop()
+        finally:
+            for pr in procs:
+                pr.terminate()
+                pr.wait(30)
+    print("RESULT " + json.dumps(res), flush=True)
 '''
 
 
@@ -145,6 +184,12 @@ def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_load(tmp_path, mode):
         # Negative control: rank 0 holds k_proj's first KV head (rows 0-127): only its qkv_proj is wrong
         assert spoiled["wrong"] == (["model.layers.0.self_attn.qkv_proj"] if rank == 0 else []), spoiled
     assert res["tokens_after"] == res["tokens_before"], res
+    if mode == "checkpoint":
+        # Through the services: fp32 masters cast to bf16 on the sender, quantized on each vLLM rank as
+        # its modules land (bounded staging), the spoiled block put right: every FP8 layer of both ranks
+        # equals the checkpoint's again, and the tokens too
+        assert res["served"] == "rl:1" and res["after_update"] == [[], []], res
+        assert res["tokens_after_update"] == res["tokens_before"], res
 
 
 def test_quantized_formats_reshard_cannot_take_are_refused_by_name():
