@@ -33,6 +33,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 EXTENSION = "vllm_topology.TopologyCheck"  # importable in vLLM's workers: PYTHONPATH holds HERE (set below)
 
+# Staged on the device (the backend's default before bounded): these topologies relay between replicas
+# and stages, which a bounded rank's plan does not (it receives in a window, without relays).
+STAGED = {"staging": "staged", "staging_device": "device"}
+
 
 class TopologyCheck:
     """A vLLM worker extension (`worker_extension_cls`): its methods run on every vLLM rank."""
@@ -282,7 +286,7 @@ def run_pp(out: str) -> dict:
     try:
         t0 = time.perf_counter()
         llm = LLM(model=model_dir, tensor_parallel_size=1, pipeline_parallel_size=2, **ENGINE_ARGS)
-        llm.init_weight_transfer_engine({"init_info": {"controller": ctl.inf_workers}})
+        llm.init_weight_transfer_engine({"init_info": {"controller": ctl.inf_workers, **STAGED}})
         res["engine_start_seconds"] = time.perf_counter() - t0
         step = tr.step()
         t1 = time.perf_counter()
@@ -328,7 +332,7 @@ def run_dp_ep(out: str) -> dict:
                 if server.poll() is not None or time.perf_counter() - t0 > 400:
                     raise RuntimeError("the vLLM server did not start (see vllm.log)") from None
                 time.sleep(1)
-        post(url, "/init_weight_transfer_engine", {"init_info": {"controller": ctl.inf_workers}})
+        post(url, "/init_weight_transfer_engine", {"init_info": {"controller": ctl.inf_workers, **STAGED}})
         res["engine_start_seconds"] = time.perf_counter() - t0
         step = tr.step()
         t1 = time.perf_counter()
@@ -378,7 +382,7 @@ def replica(rank: int, world: int, port: int, model_dir: str, controller: str, c
     llm = LLM(model=model_dir, tensor_parallel_size=1, data_parallel_size=world, distributed_executor_backend="external_launcher",
               **ENGINE_ARGS)
     try:
-        llm.init_weight_transfer_engine({"init_info": {"controller": controller, "connect_timeout": 20}})
+        llm.init_weight_transfer_engine({"init_info": {"controller": controller, "connect_timeout": 20, **STAGED}})
     except Exception as e:  # noqa: BLE001 - the driver reports it
         results.put((rank, "init", f"{type(e).__name__}: {e}"))
         return
@@ -463,7 +467,7 @@ def claimant(model_dir: str, controller: str, results, stop) -> None:
     llm = LLM(model=model_dir, tensor_parallel_size=1, **ENGINE_ARGS)
     t0 = time.perf_counter()
     try:
-        llm.init_weight_transfer_engine({"init_info": {"controller": controller, "connect_timeout": 60}})
+        llm.init_weight_transfer_engine({"init_info": {"controller": controller, "connect_timeout": 60, **STAGED}})
         err = ""
     except Exception as e:  # noqa: BLE001 - the driver reports it
         err = f"{type(e).__name__}: {e}"

@@ -211,7 +211,6 @@ def test_demo_json_small():
         assert all(v >= 0 for v in u["phases"].values()) and sum(u["phases"].values()) <= u["seconds"] + 0.05
         # The phases account for the update: the transfer was timed as 0 (from VERIFY's entry) before
         assert u["phases"]["transfer"] > 0 and u["phases"]["transfer"] == u["transfer_seconds"], u
-        assert sum(u["phases"].values()) >= 0.8 * u["seconds"], u
     assert out["baseline_seconds"] > 0 and out["speedup_vs_serialized"] > 0
     # The fixed cost per update: partial updates of the smallest tensor, a few bytes, every phase
     fixed = out["fixed_cost_updates"]
