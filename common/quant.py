@@ -6,14 +6,15 @@ float8_e4m3fn; partial blocks at the edges count their elements alone. The scale
 (`weight_scale_inv` in a checkpoint) is what multiplies the values back.
 
 A block's scale depends on every element of the block, so a block is quantized where it is
-whole: the vLLM backend quantizes on the inference rank, whose shard of a block-quantized layer
-is made of whole blocks (vLLM refuses a tensor-parallel split that is not)."""
+whole: on a trainer rank whose shard is made of whole blocks (common/layout/quantized.py: FP8
+bytes on the wire), or on the inference rank, whose shard of a block-quantized layer always is
+(vLLM refuses a tensor-parallel split that is not)."""
 
 from __future__ import annotations
 
 import torch
 
-FP8_BLOCK = (128, 128)
+from reshard.common.layout.quantized import BLOCK as FP8_BLOCK
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # an all-zero block gets this amax (its scale is not 0)
 
@@ -34,3 +35,16 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     scale = amax / FP8_MAX
     values = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
     return values.view(gm * bm, gn * bn)[:m, :n].contiguous(), scale.view(gm, gn)
+
+
+def quantize_derived(rank_buffers, descs, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A sender's derived buffers (common/layout/quantized.py): for each piece its rank's layout
+    moved into FP8 values and scales, the piece of `buffers` (its live or snapshot tensors, by
+    name; `descs`, its own LocalBuffers by name) quantized. Made for one transfer."""
+    from reshard.common.layout.quantized import derived_pieces, source_buffer
+
+    out = {}
+    for values, scales, i in derived_pieces(rank_buffers):
+        base = source_buffer(values)
+        out[values], out[scales] = fp8_block_quantize(descs[base].pieces[i].view(buffers[base]))
+    return out

@@ -25,7 +25,8 @@ from reshard.common.control.supervisor import module_command
 from reshard.common.dataplane.backend import BACKENDS, BackendError, plan_options, select_backend
 from reshard.common.dataplane.transport import serve_store
 from reshard.common.layout.core import Layout, LayoutError, dtype_casts
-from reshard.common.layout.wire import layout_from_bytes
+from reshard.common.layout.quantized import fp8_tensors, quantized_source, with_scales
+from reshard.common.layout.wire import layout_bytes, layout_fingerprint, layout_from_bytes
 from reshard.common.plan import verify
 from reshard.common.plan.cache import PlanCache
 from reshard.common.plan.planner import select_tensors
@@ -91,6 +92,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.deployments: dict[str, Deployment] = {a: Deployment(a) for a in inference}
         self.plans = PlanCache(8)  # recent plans of every deployment, by what determines them
         self._casts_logged: set[str] = set()  # plans whose sender casts were logged
+        self._quantized: dict[tuple[str, str], tuple[Layout, str, bytes]] = {}  # (source, destination) -> sent from
         self.deadlines, self.bucket_bytes = deadlines, bucket_bytes
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -629,13 +631,17 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         u.src, u.src_fp, u.src_bytes = await self.hub.layout()
         u.dst_fp, u.dst, u.dst_bytes = await self._dest_layout(u.d, u.deadline)
         try:
+            u.src, u.src_fp, u.src_bytes = await self._quantized_source(u.src, u.src_fp, u.src_bytes, u.dst, u.dst_fp)
+        except LayoutError as e:
+            raise UpdateFailed(f"incompatible layouts, nothing transferred: {e}") from None
+        try:
             u.backend = select_backend(self.backend, {w.rank: w.device for w in self.hub.alive()}, dict(enumerate(self._devices)),
                                        {w.rank: w.hello.device_uuid for w in self.hub.alive()}, dict(enumerate(self._gpus)))
         except BackendError as e:
             raise UpdateFailed(f"{e}; nothing transferred") from None
         opts = plan_options(self.bucket_bytes, u.backend)
         try:
-            subset = select_tensors(u.dst, patterns)
+            subset = with_scales(select_tensors(u.dst, patterns), u.dst)
         except LayoutError as e:
             raise UpdateFailed(str(e)) from None
         u.names = sorted(subset) if subset is not None else []
@@ -652,6 +658,25 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             if casts:
                 log.info("the trainer holds %s: cast on the sender, the wire carries what inference serves",
                          ", ".join(f"{n} tensors as {a} for {b}" for (a, b), n in sorted(casts.items())))
+
+    async def _quantized_source(self, src: Layout, src_fp: str, src_bytes: bytes, dst: Layout,
+                                dst_fp: str) -> tuple[Layout, str, bytes]:
+        """The source layout this destination is sent from: block FP8 is quantized on the trainer
+        ranks, into derived buffers of values and scales (common/layout/quantized.py). Kept per pair."""
+        key = (src_fp, dst_fp)
+        if key not in self._quantized:
+            def build() -> tuple[Layout, str, bytes]:
+                q = quantized_source(src, dst)
+                if q is src:
+                    return src, src_fp, src_bytes
+                n = len(fp8_tensors(src, dst))
+                log.info("inference serves %d tensors as block FP8: the trainer ranks quantize them, FP8 values and "
+                         "scales on the wire", n)
+                return q, layout_fingerprint(q), layout_bytes(q)
+            if len(self._quantized) > 8:
+                self._quantized.clear()
+            self._quantized[key] = await asyncio.get_running_loop().run_in_executor(None, build)
+        return self._quantized[key]
 
     async def _connect(self, u: "_Attempt") -> None:
         """The data-plane session (reused while membership is unchanged), BeginUpdate on inference,

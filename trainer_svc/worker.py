@@ -33,6 +33,7 @@ from reshard.common.control.security import Security
 from reshard.common.control.worker import WorkerBase
 from reshard.common.dataplane.transport import TransportError
 from reshard.common.layout.core import LocalBuffer, TensorSpec
+from reshard.common.layout.quantized import derived_pieces
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 
@@ -158,6 +159,18 @@ class TrainerWorker(WorkerBase):
 
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.snapshot if self.snapshot is not None else self.live
+
+    def with_derived(self, src, buffers):
+        """A destination that serves block FP8 gets values and scales quantized here, from the weights
+        this rank holds, piece by piece (common/layout/quantized.py): made for each transfer, dropped after."""
+        mine = src.ranks[self.rank]
+        if not derived_pieces(mine):
+            return buffers, self.shapes
+        from reshard.common.quant import quantize_derived
+
+        shapes = dict(self.shapes)
+        shapes.update((n, t.shape) for n, t in src.tensors.items() if n not in shapes)
+        return {**buffers, **quantize_derived(mine, self.descs, buffers)}, shapes
 
     def _run_transfer(self, p, plan, src, dst):
         """With a snapshot: send it only if it holds the update's version, and keep it from being

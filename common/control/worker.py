@@ -479,6 +479,10 @@ class WorkerBase:
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.live
 
+    def with_derived(self, src: Layout, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+        """(buffers, canonical shapes) of this update: a sender adds the buffers it derives (block FP8)."""
+        return buffers, self.shapes
+
     def after_round(self, rnd: int) -> None:
         """On the data-plane thread, after this rank's `rnd`-th round of bytes landed (a subclass's hook)."""
 
@@ -569,7 +573,7 @@ class WorkerBase:
         self._update_session = {p.update_id: p.session.id}
         t_connect = time.monotonic()
         transport = self._transport(p.session, p.timeout_s, p.update_id)
-        buffers = self.transfer_buffers()
+        buffers, shapes = self.with_derived(src, self.transfer_buffers())
 
         def connected() -> None:  # the CONNECT phase ends on the controller when every rank said so
             self.emit(wpb.WorkerMessage(progress=wpb.Progress(update_id=p.update_id, connected=True,
@@ -606,11 +610,11 @@ class WorkerBase:
                 raise TransportError(f"transfer method {p.method!r} sends messages between every pair of ranks, and a "
                                      f"{transport.name} session (workers sharing GPUs) has none between ranks on one GPU")
             connected()
-            return transfer_method(p.method)(self.side, transport, p.session, self.rank, src, dst, buffers, self.shapes,
+            return transfer_method(p.method)(self.side, transport, p.session, self.rank, src, dst, buffers, shapes,
                                              self._pool, deadline, progress, timeout=p.timeout_s)
         # Whatever the session's backend: its transport moves this rank's share (gloo and NCCL by messages,
         # through the engine; CUDA IPC and hybrid sessions their own way).
-        return transport.run_update(RankUpdate(p.update_id, plan, self.side, self.rank, buffers, self.shapes, dst,
+        return transport.run_update(RankUpdate(p.update_id, plan, self.side, self.rank, buffers, shapes, dst,
                                                self._pool, deadline, connected=connected, progress=progress, hook=hook,
                                                sums_as_landed=self.sums_as_landed()))
 

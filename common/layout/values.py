@@ -26,8 +26,10 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
     "int32": 4,
     "int64": 8,
+    "float8_e4m3fn": 1,  # block FP8 values: they travel with their scales (common/layout/quantized.py)
 }
 DTYPES = tuple(DTYPE_SIZES)
+FP8 = "float8_e4m3fn"
 
 
 class LayoutError(ValueError):
@@ -65,6 +67,11 @@ def cast_refusal(src: str, dst: str) -> str | None:
     _known(src), _known(dst)
     if src == dst or (src in FLOAT_DTYPES and dst in FLOAT_DTYPES):
         return None
+    if dst == FP8:
+        return (f"{FP8} values need their block scales: a destination serving block FP8 declares the scales "
+                f"(the tensor's name + '_scale_inv') and the sender quantizes its {src} weights")
+    if src == FP8:
+        return f"{FP8} values mean nothing without their block scales"
     if src in INT_DTYPES and dst in INT_DTYPES:
         if DTYPE_SIZES[dst] > DTYPE_SIZES[src] and dst != "uint8":  # every int here but uint8 is signed
             return None

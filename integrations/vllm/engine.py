@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.common.control.security import Security
 from reshard.inference_svc.worker import InferenceWorker
-from reshard.integrations.vllm.layout import RankLayout, rank_layout
+from reshard.integrations.vllm.layout import QUANTIZE, RankLayout, rank_layout
 
 log = logging.getLogger("vllm.reshard")  # under vLLM's logger: its handlers and level apply
 STAGINGS = ("bounded", "staged", "shadow")  # the init info's `staging` (and `inplace`, staged's earlier name)
@@ -83,6 +83,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
     """Bounded and staged in host memory: the pool on the device an update is received through, bytes."""
     run: str = ""
     """The training run whose versions this deployment takes; empty: the trainer's."""
+    quantize: str = "sender"
+    """Block-FP8 layers: `sender` (the trainer ranks quantize, FP8 values and their scales on the wire;
+    their shards must be made of whole 128 x 128 blocks) or `receiver` (the weights arrive in the
+    layer's unquantized dtype and this rank quantizes them when it loads, whatever the trainer's shards)."""
     mode: str = ""
     """Deprecated: the earlier name of `staging` (still taken, with a warning)."""
 
@@ -107,6 +111,8 @@ class ReshardInitInfo(WeightTransferInitInfo):
         if self.staging == "staged" and self.staging_device not in STAGING_DEVICES:
             raise ValueError(f"the reshard init info's staging_device must be one of {', '.join(STAGING_DEVICES)}, "
                              f"not {self.staging_device!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"the reshard init info's quantize must be one of {', '.join(QUANTIZE)}, not {self.quantize!r}")
         if self.pool_bytes < 1 << 20:
             raise ValueError(f"the reshard init info's pool_bytes must be at least 1 MiB, not {self.pool_bytes}")
 
@@ -199,7 +205,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         if self.worker is not None:
             self.shutdown()
         self.info = info
-        self.layout = layout = rank_layout(self.model)
+        self.layout = layout = rank_layout(self.model, info.quantize)
         # Bounded, and staged in host memory: the worker's buffers are meta tensors (no copy on the
         # device); vLLM's own parameters, or the host copy, hold the weights.
         pooled = info.staging == "bounded" or info.staging_device == "host"

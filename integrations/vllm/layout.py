@@ -32,11 +32,16 @@ both modules are targets of it, since each derives its own kernel data.
 
 Quantized models: a layer of a block-FP8 checkpoint (`quantization_config` fp8 with
 `weight_block_size`, as DeepSeek-V3 and the Qwen3 FP8 models ship; float8_e4m3fn `weight`
-and a float32 `weight_scale_inv` per block) receives its weight unquantized, in the dtype the
-layer was built for (`orig_dtype`: what the trainer's weights are cast to), and the backend
-quantizes each whole block on the rank when it loads (`common/quant.py`, vLLM's own recipe),
-writing the values and their scales; `weight_scale_inv` is no buffer (`RankLayout.derived`).
-A rank's shard must be made of whole blocks (vLLM refuses other splits; so does this). vLLM's
+and a float32 `weight_scale_inv` per 128 x 128 block) is read, by default (`quantize="sender"`),
+as the checkpoint holds it: the weight's canonical tensors are float8_e4m3fn and each has its
+`<name>_scale_inv`, whose pieces are the weight's pieces block by block. The trainer ranks
+quantize (common/layout/quantized.py), FP8 values and scales cross the wire, and the backend
+copies them into the layer. With `quantize="receiver"` the weight is received unquantized, in the
+dtype the layer was built for (`orig_dtype`: what the trainer's weights are cast to), and the
+backend quantizes each whole block on the rank when it loads (`common/quant.py`, vLLM's own
+recipe), writing the values and their scales; `weight_scale_inv` is no buffer then
+(`RankLayout.derived`): for a trainer whose shards split blocks. Either way a rank's shard must
+be made of whole blocks (vLLM refuses other splits; so does this). vLLM's
 online quantization (`quantization="fp8"` over a bf16 checkpoint) records the checkpoint's
 bf16 weights for its reload, so its layers read like unquantized ones and vLLM quantizes them
 when it reloads. Any other quantized format (compressed-tensors, AWQ, GPTQ, modelopt, FP8
@@ -49,6 +54,7 @@ import dataclasses
 import torch
 
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
+from reshard.common.layout.quantized import SCALE_SUFFIX, aligned, scale_buffer, scale_name, scale_shape
 from reshard.common.quant import FP8_BLOCK
 from reshard.integrations.names import FUSED, MOE_STACKED, fused_names, unfused, vllm_module_name
 
@@ -271,16 +277,32 @@ def _block_fp8(mname: str, module: torch.nn.Module, params: dict[str, torch.Tens
                       "block FP8 checkpoints (fp8 with weight_block_size 128x128) and vLLM's online quantization")
 
 
-def _check_whole_blocks(bname: str, pieces: list[Piece], block: tuple[int, int]) -> None:
+def _check_whole_blocks(bname: str, pieces: list[Piece], block: tuple[int, int], tensors: dict[str, TensorSpec]) -> None:
     for p in pieces:
-        if any(o % b for o, b in zip((*p.box.offset, *p.region.offset), (*block, *block))):
+        if any(o % b for o, b in zip(p.region.offset, block)) or not aligned(p.box, tensors[p.tensor].shape, block):
             raise LayoutError(f"{bname}: block FP8 is quantized where its {list(block)} blocks are whole, but this "
-                              f"rank holds {p.tensor} rows/columns from {list(p.box.offset)} (at {list(p.region.offset)} "
-                              "of its buffer): not on a block boundary")
+                              f"rank holds {p.tensor} box {p.box} (at {list(p.region.offset)} of its buffer): not on "
+                              "block boundaries")
 
 
-def rank_layout(model: torch.nn.Module) -> RankLayout:
-    """This rank's buffers, their canonical tensors, and the parameters they load into."""
+def _check_scales(sbuf: LocalBuffer, want: torch.Tensor) -> None:
+    end = max((p.region.end for p in sbuf.pieces), default=(0, 0))
+    if any(e > w for e, w in zip(end, want.shape)) or want.dtype != torch.float32:
+        raise LayoutError(f"{sbuf.name}: {list(want.shape)} {want.dtype}, but its weight's blocks need float32 scales "
+                          f"up to {list(end)}")
+
+
+QUANTIZE = ("sender", "receiver")
+"""Where block FP8 is quantized: on the trainer ranks (FP8 values and scales on the wire), or on this rank."""
+
+
+def rank_layout(model: torch.nn.Module, quantize: str = "sender") -> RankLayout:
+    """This rank's buffers, their canonical tensors, and the parameters they load into. Block-FP8
+    layers (`quantize`): "sender", the layout declares the FP8 weight and its float32
+    `weight_scale_inv` as the checkpoint holds them, and the trainer quantizes; "receiver", the
+    weight in the layer's unquantized dtype, quantized on this rank when it loads."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     arch = type(model).__name__
     fused = fused_names(getattr(model, "packed_modules_mapping", None))
     derived: list[str] = []
@@ -292,14 +314,16 @@ def rank_layout(model: torch.nn.Module) -> RankLayout:
     for mname, module in model.named_modules():
         params, made = _loadable_params(module)
         block = _block_fp8(mname, module, params)
-        if block is not None:  # the scales are made on this rank from the weight, when it is loaded
-            made = [*made, "weight_scale_inv"]
+        if block is not None:  # the scales travel beside the weight (sender), or are made on this rank
+            scales = params.get("weight_scale_inv")
+            if quantize == "receiver":
+                made = [*made, "weight_scale_inv"]
             params = {n: t for n, t in params.items() if n != "weight_scale_inv"}
         derived += [f"{mname}.{n}" for n in made]
         for pname, meta in params.items():
             live = module._parameters[pname]
             key = id(live)
-            quant = block if block is not None and pname == "weight" else None
+            quant = block if block is not None and pname == "weight" and quantize == "receiver" else None
             if key in owner:
                 targets.append(Target(mname, pname, owner[key], quant))
                 continue
@@ -313,11 +337,19 @@ def rank_layout(model: torch.nn.Module) -> RankLayout:
 
             pieces, padding = _param_pieces(vllm_module_name(arch, mname), module, pname, shape, add, fused)
             bname = f"{mname}.{pname}"
-            if quant is not None:
-                _check_whole_blocks(bname, pieces, quant)
+            if block is not None and pname == "weight":
+                _check_whole_blocks(bname, pieces, block, tensors)
             owner[key] = bname
             buffers.append(LocalBuffer(bname, shape, dtype, tuple(pieces), tuple(padding)))
             targets.append(Target(mname, pname, bname, quant))
+            if block is not None and pname == "weight" and quantize == "sender":
+                sbuf = scale_buffer(buffers[-1], f"{bname}{SCALE_SUFFIX}", tuple(scales.shape))
+                _check_scales(sbuf, scales)
+                for p in pieces:
+                    add(scale_name(p.tensor), scale_shape(tensors[p.tensor].shape), "float32")
+                owner[id(module._parameters["weight_scale_inv"])] = sbuf.name
+                buffers.append(sbuf)
+                targets.append(Target(mname, "weight_scale_inv", sbuf.name))
     if not buffers:
         raise LayoutError(f"{type(model).__name__}: no loadable parameters found")
     return RankLayout(tensors, buffers, targets, derived)

@@ -50,22 +50,25 @@ def wrong_modules(worker):
     return sorted(m for m, (w, s) in ref.items() if not (torch.equal(now[m][0], w) and torch.equal(now[m][1], s)))
 
 
-def check(worker, bf16_dir, spoil):
+def check(worker, ckpt_dir, spoil, quantize):
+    """quantize="receiver": the buffers hold the bf16 checkpoint's tensors, the backend quantizes;
+    "sender": they hold the FP8 checkpoint's values and scales (what the trainer sends), copied as they are."""
     from safetensors.torch import load_file
     from reshard.integrations.vllm.engine import ReshardEngine
     from reshard.integrations.vllm.layout import rank_layout
 
     model = worker.model_runner.model
     eng = ReshardEngine(None, worker.vllm_config, worker.device, model)
-    layout = eng.layout = rank_layout(model)
+    layout = eng.layout = rank_layout(model, quantize)
     quant = [t for t in layout.targets if hasattr(model.get_submodule(t.module), "weight_scale_inv") and t.param == "weight"]
     out = {"rank": eng.rank, "quantized": sorted(t.module for t in quant),
            "quantized_here": sorted(t.module for t in quant if t.quant is not None),
            "dtypes": sorted({b.dtype for b in layout.buffers if b.name in {t.buffer for t in quant}}),
-           "scales_derived": sorted(d for d in layout.derived if d.endswith("weight_scale_inv"))}
+           "scales_derived": sorted(d for d in layout.derived if d.endswith("weight_scale_inv")),
+           "scale_buffers": sorted(b.name for b in layout.buffers if b.name.endswith("weight_scale_inv"))}
     if not hasattr(worker, "fp8_reference"):  # what vLLM loaded at start (the checkpoint's, or quantized online)
         worker.fp8_reference = live_fp8(model, [t.module for t in quant])
-    canon = {k: v for k, v in load_file(os.path.join(bf16_dir, "model.safetensors")).items()}
+    canon = {k: v for k, v in load_file(os.path.join(ckpt_dir, "model.safetensors")).items()}
     for name, (rows, cols, factor) in spoil.items():
         canon[name] = canon[name].clone()
         canon[name][:rows, :cols] = (canon[name][:rows, :cols].float() * factor).to(canon[name].dtype)
@@ -118,10 +121,15 @@ if __name__ == "__main__":
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
     before = tokens()
-    exact = llm.collective_rpc(check, args=(bf16, {}))
+    exact = llm.collective_rpc(check, args=(bf16, {}, "receiver"))
     after = tokens()
-    spoiled = llm.collective_rpc(check, args=(bf16, {"model.layers.0.self_attn.k_proj.weight": (128, 128, 1.5)}))
+    spoiled = llm.collective_rpc(check, args=(bf16, {"model.layers.0.self_attn.k_proj.weight": (128, 128, 1.5)}, "receiver"))
     res = {"spoiled": spoiled, "exact": exact, "tokens_before": before, "tokens_after": after}
+    if mode == "checkpoint":  # the FP8 checkpoint's values and scales, as the trainer sends them (quantize="sender")
+        res["sender_exact"] = llm.collective_rpc(check, args=(fp8, {}, "sender"))
+        res["tokens_sender"] = tokens()
+        res["sender_spoiled"] = llm.collective_rpc(check, args=(fp8, {"model.layers.0.self_attn.k_proj.weight_scale_inv":
+                                                                      (1, 1, 1.5)}, "sender"))
     if mode == "checkpoint":  # then a real update through the services, from fp32 masters, into the spoiled engine
         import subprocess, socket
         from reshard.integrations.vllm import update
@@ -132,23 +140,27 @@ if __name__ == "__main__":
                 sk.bind(("127.0.0.1", 0))
                 return sk.getsockname()[1]
 
-        inf, inf_w, tr_w = f"127.0.0.1:{port()}", f"unix:{tmp}/inf.sock", f"unix:{tmp}/tr.sock"
+        inf, tr, inf_w, tr_w = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}", f"unix:{tmp}/inf.sock", f"unix:{tmp}/tr.sock"
         cli = [sys.executable, "-m", "reshard.cli"]
         log = open(os.path.join(tmp, "controllers.log"), "w")
         procs = [subprocess.Popen([*cli, "inference", "--listen", inf, "--external-workers", "--workers", "2",
                                    "--worker-listen", inf_w, "--model", "llama-fp8"], stdout=log, stderr=log),
-                 subprocess.Popen([*cli, "trainer", "--listen", f"127.0.0.1:{port()}", "--external-workers", "--workers",
+                 subprocess.Popen([*cli, "trainer", "--listen", tr, "--external-workers", "--workers",
                                    "1", "--worker-listen", tr_w, "--inference", inf, "--run", "rl", "--model", "llama-fp8"],
                                   stdout=log, stderr=log)]
         try:
             masters = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)  # fp32 masters
             trainer = TrainerWorker.from_module(tr_w, masters, rank=0, world=1, run="rl").start()
-            llm.init_weight_transfer_engine({"init_info": {"controller": inf_w}})  # the default staging: bounded
+            # the defaults: bounded staging, quantized on the sender (the trainer worker, from its fp32 masters)
+            llm.init_weight_transfer_engine({"init_info": {"controller": inf_w}})
             handle = trainer.publish(1)
             res["served"] = update(llm, 1, run="rl", timeout=300)  # bounded: the transfer runs inside update_weights
             assert handle.wait(300), "step 1 was not committed"
             res["after_update"] = llm.collective_rpc(wrong_modules)
             res["tokens_after_update"] = tokens()
+            st = json.loads(subprocess.run([*cli, "status", "--trainer", tr, "--json"], capture_output=True,
+                                           text=True, check=True).stdout)
+            res["update_bytes"] = st["history"][-1]["bytes"] if st.get("history") else None
             trainer.stop()
         finally:
             for pr in procs:
@@ -183,13 +195,29 @@ def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_load(tmp_path, mode):
         assert exact["wrong"] == [], exact  # byte for byte what vLLM loaded from the FP8 checkpoint
         # Negative control: rank 0 holds k_proj's first KV head (rows 0-127): only its qkv_proj is wrong
         assert spoiled["wrong"] == (["model.layers.0.self_attn.qkv_proj"] if rank == 0 else []), spoiled
+        if mode == "checkpoint":  # quantize="sender": FP8 values and scales are buffers, copied as they come
+            sender, bad = res["sender_exact"][rank], res["sender_spoiled"][rank]
+            assert sender["quantized_here"] == [] and sender["dtypes"] == ["float8_e4m3fn"], sender
+            assert sender["scales_derived"] == [] and sender["scale_buffers"] == sorted(f"{m}.weight_scale_inv"
+                                                                                        for m in layers), sender
+            assert sender["wrong"] == [], sender  # the checkpoint's tensors, mapped by the layout's pieces
+            # k_proj's scale of block (0, 0) is layer 0's qkv_proj on rank 0 only (its first KV head)
+            assert bad["wrong"] == (["model.layers.0.self_attn.qkv_proj"] if rank == 0 else []), bad
     assert res["tokens_after"] == res["tokens_before"], res
     if mode == "checkpoint":
-        # Through the services: fp32 masters cast to bf16 on the sender, quantized on each vLLM rank as
-        # its modules land (bounded staging), the spoiled block put right: every FP8 layer of both ranks
-        # equals the checkpoint's again, and the tokens too
+        assert res["tokens_sender"] == res["tokens_before"], res
+        # Through the services (the defaults: bounded staging, quantized on the sender): the trainer
+        # worker quantizes its fp32 masters (upcasts of the checkpoint's bf16 weights, so the same values
+        # vLLM's quantizer saw), FP8 values and scales on the wire, the spoiled scale put right: every FP8
+        # layer of both ranks equals the checkpoint's again, and the tokens too
         assert res["served"] == "rl:1" and res["after_update"] == [[], []], res
         assert res["tokens_after_update"] == res["tokens_before"], res
+        # FP8 on the wire: the 8 linear layers' elements at a byte each plus their scales, the rest bf16
+        # (embeddings, norms, lm_head), each element once over 2 ranks (TP: the replicated norms twice)
+        linear = 2 * (3 * 256 * 256 + 256 * 256 + 2 * 512 * 256 + 256 * 512)
+        scales = linear // (128 * 128) * 4
+        rest = 2 * (256 * 256 * 2) + 2 * (2 * 2 * 256 * 2) + 2 * 256 * 2  # embed + lm_head, 4 layer norms, final norm
+        assert res["update_bytes"] == linear + scales + rest, (res["update_bytes"], linear + scales + rest)
 
 
 def test_quantized_formats_reshard_cannot_take_are_refused_by_name():

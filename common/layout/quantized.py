@@ -1,0 +1,163 @@
+"""Block FP8 on the wire: the source layout that quantizes on the sender.
+
+A destination that serves block FP8 (a vLLM layer of a DeepSeek-V3 or Qwen3 FP8 checkpoint)
+declares a weight `W` as float8_e4m3fn and its scales as the float32 tensor `W_scale_inv`,
+one per 128 x 128 block (ceil at the edges), as the checkpoint names them. The trainer holds `W`
+in bf16 or fp32 and has no scales. `quantized_source` rewrites the trainer's layout so that both
+travel: every piece of `W` a trainer rank holds becomes two derived buffers of that rank, the
+piece's FP8 values (`<buffer>#fp8:<i>`) and its blocks' scales (`<buffer>#scale:<i>`, `i` the
+piece's index in the buffer), which the trainer worker fills at each transfer by quantizing the
+piece (`common/quant.py`, the engine's recipe). The FP8 bytes and their scales cross the wire:
+about half of bf16, a quarter of fp32.
+
+A block's scale depends on every element of the block, so a piece is quantized on a trainer rank
+only where it is made of whole blocks: its box starts on a block boundary in both dimensions
+and ends on one or at the tensor's edge. Megatron's row and column shards and whole experts
+are; an FSDP2 shard whose row count is not a multiple of 128 is not, and such a layout is
+refused with the tensor and the rank named (the destination can take bf16 instead and quantize
+where its blocks are whole: the vLLM backend's `quantize="receiver"`).
+
+Torch-free (the controllers plan without it)."""
+
+from __future__ import annotations
+
+import math
+
+from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec
+from reshard.common.layout.values import FP8
+
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+DERIVED = ("#fp8:", "#scale:")  # a derived buffer's name: <source buffer><marker><piece index>
+
+
+def scale_name(tensor: str) -> str:
+    return tensor + SCALE_SUFFIX
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def scale_box(box: Box, block: tuple[int, int] = BLOCK) -> Box:
+    """The scales of the blocks a block-aligned box covers."""
+    lo = tuple(o // b for o, b in zip(box.offset, block))
+    hi = tuple(-(-e // b) for e, b in zip(box.end, block))
+    return Box(lo, tuple(h - l_ for h, l_ in zip(hi, lo)))
+
+
+def scale_buffer(buf: LocalBuffer, name: str, shape: tuple[int, int] | None = None) -> LocalBuffer:
+    """The float32 buffer of a block-FP8 buffer's scales (default shape: one per block of `buf`),
+    piece by piece the scales of `buf`'s pieces (each made of whole blocks, spanning whole rows of
+    `buf`: what a linear layer's shard holds); rows no piece covers are padding."""
+    pieces = tuple(Piece(scale_name(p.tensor), scale_box(p.region), scale_box(p.box)) for p in buf.pieces)
+    shape = shape or scale_shape(buf.shape)
+    covered = sorted((p.region.offset[0], p.region.end[0], p.region.size[1]) for p in pieces)
+    padding, at = [], 0
+    for lo, hi, cols in covered + [(shape[0], shape[0], shape[1])]:
+        if cols != shape[1] or lo < at:
+            raise LayoutError(f"{buf.name}: its pieces do not span whole rows of blocks, so their scales cannot be laid out")
+        if lo > at:
+            padding.append(Box((at, 0), (lo - at, shape[1])))
+        at = hi
+    return LocalBuffer(name, shape, "float32", pieces, tuple(padding))
+
+
+def aligned(box: Box, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
+    """Whether a box of a tensor of `shape` is made of whole blocks."""
+    return all(o % b == 0 and (e % b == 0 or e == s) for o, e, s, b in zip(box.offset, box.end, shape, block))
+
+
+def fp8_tensors(src: Layout, dst: Layout) -> dict[str, str]:
+    """Destination tensors served as block FP8 that the source holds unquantized -> their scales' names."""
+    out = {}
+    for name, d in dst.tensors.items():
+        s = src.tensors.get(name)
+        if d.dtype != FP8 or s is None or s.dtype == FP8:
+            continue
+        sname = scale_name(name)
+        sc = dst.tensors.get(sname)
+        if len(d.shape) != 2 or sc is None or sc.dtype != "float32" or sc.shape != scale_shape(d.shape):
+            raise LayoutError(f"tensor {name!r}: the destination serves it as {FP8} but declares no float32 "
+                              f"{sname!r} of shape {list(scale_shape(d.shape)) if len(d.shape) == 2 else '?'} "
+                              f"(its block scales, {BLOCK[0]} x {BLOCK[1]})")
+        if sname in src.tensors:
+            raise LayoutError(f"tensor {sname!r}: the source holds it, but it is derived from {name!r} when quantized")
+        out[name] = sname
+    return out
+
+
+def with_scales(subset: set[str] | None, dst: Layout) -> set[str] | None:
+    """A partial update's tensors, with the scales of every block-FP8 tensor in it."""
+    if subset is None:
+        return None
+    return subset | {scale_name(n) for n in subset if dst.tensors[n].dtype == FP8 and scale_name(n) in dst.tensors}
+
+
+def quantized_source(src: Layout, dst: Layout) -> Layout:
+    """`src` with every piece of a tensor `dst` serves as block FP8 moved into derived buffers of
+    FP8 values and scales (the module doc); `src` itself where there is none."""
+    quant = fp8_tensors(src, dst)
+    if not quant:
+        return src
+    tensors = dict(src.tensors)
+    for name, sname in quant.items():
+        shape = src.tensors[name].shape
+        tensors[name] = TensorSpec(name, shape, FP8)
+        tensors[sname] = TensorSpec(sname, scale_shape(shape), "float32")
+    first_rank = {}
+    for r, c in enumerate(src.ranks.rank_class):
+        first_rank.setdefault(c, r)
+    made = {c: _class_buffers(src.ranks.cls(c), quant, src.tensors, first_rank[c]) for c in first_rank}
+    ranks = [made[c] for c in src.ranks.rank_class]  # ranks of one class share one tuple: replicas stay replicas
+    return Layout({n: tensors[n] for n in sorted(tensors)}, ranks, src.allow_casts, src.receive_window)
+
+
+def _class_buffers(bufs: tuple[LocalBuffer, ...], quant: dict[str, str], tensors: dict[str, TensorSpec],
+                   rank: int) -> tuple[LocalBuffer, ...]:
+    out = []
+    for buf in bufs:
+        keep, padding, derived = [], list(buf.padding), []
+        for i, p in enumerate(buf.pieces):
+            if p.tensor not in quant:
+                keep.append(p)
+                continue
+            shape = tensors[p.tensor].shape
+            if not aligned(p.box, shape):
+                raise LayoutError(
+                    f"tensor {p.tensor!r}: the destination serves it as block FP8 ({BLOCK[0]} x {BLOCK[1]}), and "
+                    f"trainer rank {rank} holds its box {p.box}{' (a flat range)' if p.flat else ''}, which splits "
+                    "blocks: the trainer quantizes only whole blocks. Shard it on block boundaries, or let the "
+                    "destination quantize (the vLLM backend's quantize='receiver': bf16 on the wire)")
+            padding += p.buffer_boxes(buf.shape)
+            full = Box.full(p.box.size)
+            sbox = scale_box(p.box)
+            derived.append(LocalBuffer(f"{buf.name}{DERIVED[0]}{i}", p.box.size, FP8, (Piece(p.tensor, full, p.box),)))
+            derived.append(LocalBuffer(f"{buf.name}{DERIVED[1]}{i}", sbox.size, "float32",
+                                       (Piece(quant[p.tensor], Box.full(sbox.size), sbox),)))
+        if len(keep) == len(buf.pieces):
+            out.append(buf)
+        elif keep:
+            out.append(LocalBuffer(buf.name, buf.shape, buf.dtype, tuple(keep), tuple(padding)))
+        out += derived
+    return tuple(out)
+
+
+def derived_pieces(bufs: tuple[LocalBuffer, ...]) -> list[tuple[str, str, int]]:
+    """A rank's derived buffers as (values buffer, scales buffer, piece index), its source buffer's
+    name being the values buffer's up to its marker: what the trainer worker fills."""
+    out = []
+    for b in bufs:
+        name, marker, i = b.name.rpartition(DERIVED[0])
+        if marker and i.isdigit():
+            out.append((b.name, f"{name}{DERIVED[1]}{i}", int(i)))
+    return out
+
+
+def source_buffer(derived: str) -> str:
+    return derived.rpartition(DERIVED[0])[0]
+
+
+def wire_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes a block-FP8 tensor of `shape` takes on the wire: values and scales."""
+    return math.prod(shape) + 4 * math.prod(scale_shape(shape))
