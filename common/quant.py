@@ -28,12 +28,18 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     m, n = x.shape
     bm, bn = block
     gm, gn = -(-m // bm), -(-n // bn)
-    padded = x.new_zeros((gm * bm, gn * bn))  # zeros do not change a block's amax
-    padded[:m, :n] = x
+    if m % bm or n % bn:
+        padded = x.new_zeros((gm * bm, gn * bn))  # zeros do not change a block's amax
+        padded[:m, :n] = x
+    else:
+        padded = x.contiguous()  # a piece of a buffer may be a strided view
     blocks = padded.view(gm, bm, gn, bn)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
+    # |x| and its max are exact in x's own dtype: the float32 copy is made once, by the product
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float().clamp(min=AMAX_FLOOR)
     scale = amax / FP8_MAX
-    values = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
+    scaled = torch.empty(blocks.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    torch.mul(blocks, 1.0 / scale, out=scaled)  # x * (1 / scale) in float32 (at least), as vLLM's quantizer
+    values = scaled.to(torch.float8_e4m3fn)
     return values.view(gm * bm, gn * bn)[:m, :n].contiguous(), scale.view(gm, gn)
 
 

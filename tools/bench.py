@@ -285,13 +285,14 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
             key = (cfg["model"], cfg["src"], g)
             filled = weights[1] if (side == "src" and weights and weights[0] == key) else None
             weights = None
-            rb = bm.RankBench(t, side, index, src, dst, plan, seed=opts["seed"], bucket_bytes=bucket, filled=filled)
+            rb = bm.RankBench(t, side, index, src, dst, plan, seed=opts["seed"], bucket_bytes=bucket, filled=filled,
+                              fp8=opts["fp8"])
             if side == "src":
                 weights = (key, rb.buffers)
             ctl.barrier().wait()
             if g == 0:
                 q.put(("ready", ci, time.monotonic() - t_setup))
-            methods = list(bm.METHODS)
+            methods = [*bm.METHODS, bm.FP8_METHOD] if opts["fp8"] else list(bm.METHODS)
             firsts: dict[str, float] = {}
             repeats, rep = opts["repeats"], 0
             while rep <= repeats:
@@ -313,7 +314,7 @@ def rank_main(g: int, world: int, host: str, port: int, nonce: str, configs: lis
                     exact = None
                     if first:
                         firsts[meth] = t1 - t0
-                        exact = rb.ceiling_exact() if meth == "ceiling" else rb.received_exact()
+                        exact = rb.ceiling_exact() if meth == "ceiling" else rb.received_exact(meth)
                     q.put(("run", {"cfg": ci, "method": meth, "rep": rep, "rank": g, "side": side, "t0": t0, "t1": t1,
                                    "bytes": out.bytes, "extra_bytes": out.extra_bytes, "checksums_ok": out.ok,
                                    "exact": exact}))
@@ -441,7 +442,7 @@ def run_bench(a) -> int:
     nonce = secrets.token_hex(4)
     shapes = sorted({(c["S"], c["D"]) for c in configs})
     opts = {"quick": a.quick, "repeats": a.repeats, "seed": a.seed, "bucket_bytes": a.bucket_mib << 20,
-            "shapes": shapes, "min_seconds": a.min_seconds, "max_repeats": max(a.repeats, a.max_repeats)}
+            "shapes": shapes, "min_seconds": a.min_seconds, "max_repeats": max(a.repeats, a.max_repeats), "fp8": a.fp8}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     say(f"reshard bench: {len(configs)} layout pairs, {world} rank processes on {os.cpu_count()} cores, gloo on {host}; "
@@ -551,7 +552,7 @@ def _calibration_line(cal: dict, sep: str = "; ") -> str:
 
 def _summarize(configs, runs, cal, a, say) -> dict:
     from reshard.common.models.frameworks import model_spec
-    from reshard.tools.bench_methods import METHODS
+    from reshard.tools.bench_methods import FP8_METHOD, METHODS
 
     out_cfgs = []
     all_ok = True
@@ -562,7 +563,7 @@ def _summarize(configs, runs, cal, a, say) -> dict:
             say(f"prediction for {cfg['model']} {cfg['dst']} failed: {e}")
             pred = {}
         methods = {}
-        for meth in METHODS:
+        for meth in (*METHODS, FP8_METHOD):
             reps = []
             for rep in sorted(r for c, m, r in runs if (c, m) == (ci, meth)):
                 rows = runs.get((ci, meth, rep), [])
@@ -602,6 +603,9 @@ def _summarize(configs, runs, cal, a, say) -> dict:
                 "fraction_of_ceiling": methods["ceiling"]["seconds"] / rs if "ceiling" in methods else None,
                 "verification_seconds": methods["reshard+verify"]["seconds"] - rs if "reshard+verify" in methods else None,
             }
+            if FP8_METHOD in methods:  # the same model into the engine serving it as block FP8, in the same run
+                summary["fp8_over_bf16"] = methods[FP8_METHOD]["seconds"] / rs
+                summary["fp8_bytes_over_bf16"] = methods[FP8_METHOD]["bytes"] / max(1, methods["reshard"]["bytes"])
         out_cfgs.append({"model": cfg["model"], "payload_bytes": model_spec(cfg["model"]).payload_bytes,
                          "src": cfg["src"], "dst": cfg["dst"], "src_ranks": cfg["S"], "dst_ranks": cfg["D"],
                          "methods": methods, "reshard": summary})
@@ -651,6 +655,9 @@ def print_table(r: dict) -> None:
         if s:
             print(f"{'':<18}reshard: {s['speedup_vs_serialized']:.2f}x vs serialized, {s['speedup_vs_broadcast']:.2f}x vs "
                   f"owner broadcast, {s['fraction_of_ceiling']:.2f} of the ceiling, verification +{s['verification_seconds']:.3f} s")
+            if "fp8_over_bf16" in s:
+                print(f"{'':<18}block FP8 (quantized on the trainer ranks): {s['fp8_over_bf16']:.2f}x the BF16 update's "
+                      f"time, {s['fp8_bytes_over_bf16']:.2f}x its bytes")
     if r["prediction_mean_abs_error_pct"] is not None:
         print(f"\nsimulator on these layouts (calibrated by the probes, not by the layouts' runs): mean |error| "
               f"{r['prediction_mean_abs_error_pct']:.0f}%, max {r['prediction_max_abs_error_pct']:.0f}%")
@@ -719,6 +726,9 @@ def add_parser(sub) -> None:
     p.add_argument("--bucket-mib", type=int, default=256, help="serialized baseline's broadcast bucket (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="reshard-bench.png", help="PNG plot path ('' for none)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also reshard into the destination serving a block-FP8 checkpoint (its linear weights "
+                        "float8_e4m3fn with scales, quantized on the trainer ranks): FP8 beside BF16, in the same run")
     p.add_argument("--quick", action="store_true", help="smallest model, 2 inference ranks, 1 repeat (tests)")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.set_defaults(_main=main)

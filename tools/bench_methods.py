@@ -12,6 +12,12 @@ same model (synthetic weights, `synth`, step 0) between the same two layouts:
   inference rank; the boxes of one tensor together make the whole tensor, so every inference
   rank receives every whole tensor, and copies out the parts it holds. Owners run at the same
   time: the k-th box of every owner is in flight together.
+- reshard-fp8 (`reshard bench --fp8`): reshard into the destination as it serves a block-FP8
+  checkpoint (`quantized.fp8_destination`: its linear weights float8_e4m3fn, with scales, where
+  both sides hold them in whole 128 x 128 blocks); each
+  trainer rank quantizes its pieces at every run (timed, as the trainer worker does), FP8 values
+  and scales cross the wire. Checked against the weights regenerated and quantized whole block
+  by whole block on the inference rank.
 - ceiling: the plan's own messages (the same byte matrix, relays included, the same rounds and
   tags) as plain preallocated buffers: no packing, no checksums, no control plane.
 
@@ -35,10 +41,12 @@ from reshard.common.dataplane.engine import Engine, StagingPool, receiver_checks
 from reshard.common.dataplane.transport import Transport, Work
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan, Side
+from reshard.common.quant import quantize_derived
 from reshard.tools import baseline
 from reshard.tools.synth import init_box
 
 METHODS = ("reshard", "reshard+verify", "serialized", "broadcast", "ceiling")
+FP8_METHOD = "reshard-fp8"  # with --fp8
 SENTINEL = 0xFF  # as bf16 (0xFFFF) a NaN: synthetic weights never hold one
 _CSUM_TAG = 1 << 28
 
@@ -67,7 +75,8 @@ class RankBench:
     receive buffers and their expected contents on inference ranks) and the methods."""
 
     def __init__(self, transport: Transport, side: str, index: int, src: Layout, dst: Layout, plan: Plan,
-                 seed: int = 0, bucket_bytes: int = 256 << 20, filled: dict[str, torch.Tensor] | None = None) -> None:
+                 seed: int = 0, bucket_bytes: int = 256 << 20, filled: dict[str, torch.Tensor] | None = None,
+                 fp8: bool = False) -> None:
         self.t, self.side, self.index = transport, side, index
         self.src, self.dst, self.plan = src, dst, plan
         self.S, self.D = src.world, dst.world
@@ -87,7 +96,7 @@ class RankBench:
             for t in self.expected.values():
                 t.view(-1).view(torch.uint8).fill_(SENTINEL)
             self._fill(self.expected)
-        self.pools = {m: StagingPool() for m in METHODS}
+        self.pools = {m: StagingPool() for m in (*METHODS, FP8_METHOD)}
         self._owner_items = _owner_items(src)
         self._bcast: dict = {}
         # The ceiling's plain buffers, made before any timing: this rank's sends hold its pattern.
@@ -99,6 +108,7 @@ class RankBench:
         me = index if side == "src" else S + index
         self._ceiling_bufs = (pattern(me, sum(m.wire_bytes for m in self._ceiling_msgs[0])),
                               torch.empty(sum(m.wire_bytes for m in self._ceiling_msgs[1]), dtype=torch.uint8))
+        self.fp8 = _Fp8(self) if fp8 else None
 
     def _fill(self, bufs: dict[str, torch.Tensor]) -> None:
         layout = self.src if self.side == "src" else self.dst
@@ -113,17 +123,20 @@ class RankBench:
             for t in self.buffers.values():
                 t.view(-1).view(torch.uint8).fill_(SENTINEL)
             self._ceiling_bufs[1].fill_(SENTINEL)
+            if self.fp8 is not None:
+                for t in self.fp8.buffers.values():
+                    t.view(-1).view(torch.uint8).fill_(SENTINEL)
 
-    def received_exact(self) -> bool:
+    def received_exact(self, method: str = "reshard") -> bool:
         """Bit-exact comparison of everything received with an independent regeneration."""
         if self.side != "dst":
             return True
-        return all(torch.equal(self.buffers[n].view(-1).view(torch.uint8), self.expected[n].view(-1).view(torch.uint8))
-                   for n in self.buffers)
+        got, want = (self.fp8.buffers, self.fp8.expected) if method == FP8_METHOD else (self.buffers, self.expected)
+        return all(torch.equal(got[n].view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8)) for n in got)
 
     # -- methods -------------------------------------------------------------------------
     def run(self, method: str, deadline: float) -> Outcome:
-        return getattr(self, "_" + method.replace("+", "_"))(deadline)
+        return getattr(self, "_" + method.replace("+", "_").replace("-", "_"))(deadline)
 
     def _reshard(self, deadline: float, verify: bool = False) -> Outcome:
         pool = self.pools["reshard+verify" if verify else "reshard"]
@@ -135,6 +148,19 @@ class RankBench:
             out.bytes = sum(m.wire_bytes for m in self.plan.recvs.get(self.index, ()))
         if verify:
             out.ok = self._exchange_checksums(sums, deadline)
+        return out
+
+    def _reshard_fp8(self, deadline: float) -> Outcome:
+        f = self.fp8
+        pool = self.pools[FP8_METHOD]
+        if self.side == "src":  # quantized at every run, as the trainer worker does at every transfer
+            bufs = {**self.buffers, **quantize_derived(f.src.ranks[self.index], self.descs, self.buffers)}
+        else:
+            bufs = f.buffers
+        Engine(self.t, f.plan, self.side, self.index, bufs, f.shapes, pool, deadline).run()
+        out = Outcome(extra_bytes=pool.nbytes)
+        if self.side == "dst":
+            out.bytes = sum(m.wire_bytes for m in f.plan.recvs.get(self.index, ()))
         return out
 
     def _reshard_verify(self, deadline: float) -> Outcome:
@@ -264,6 +290,53 @@ class RankBench:
 
 
 _CHUNK = 1 << 22
+
+
+class _Fp8:
+    """The block-FP8 twin of a layout pair: the destination serving FP8, the source as the trainer
+    controller rewrites it (quantized on the trainer ranks), their plan; an inference rank's receive
+    buffers and what they must hold: the weights regenerated (`synth`, in the trainer's dtype) and
+    quantized whole block by whole block (`common/quant.py`), never through the plan."""
+
+    def __init__(self, rb: RankBench) -> None:
+        from reshard.common.layout.quantized import fp8_destination, quantized_source, whole_block_tensors
+        from reshard.common.plan.planner import PlanOptions, make_plan
+
+        # The linear weights both sides hold in whole blocks (a trainer shard that splits blocks would
+        # need the engine to quantize: bf16 on the wire, as the BF16 update)
+        self.dst = fp8_destination(rb.dst, whole_block_tensors(rb.src))
+        self.src = quantized_source(rb.src, self.dst)
+        self.plan = make_plan(self.src, self.dst, PlanOptions())
+        self.shapes = {n: t.shape for n, t in self.src.tensors.items()}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.expected: dict[str, torch.Tensor] = {}
+        if rb.side == "dst":
+            for b in self.dst.ranks[rb.index]:
+                self.buffers[b.name] = torch.empty(b.shape, dtype=dtype_of(b.dtype))
+                self.expected[b.name] = want = torch.empty(b.shape, dtype=dtype_of(b.dtype))
+                want.view(-1).view(torch.uint8).fill_(SENTINEL)  # padding: never written
+                for p in b.pieces:
+                    p.view(want).copy_(self._expected(rb, p))
+
+    def _expected(self, rb: RankBench, p) -> torch.Tensor:
+        from reshard.common.layout.quantized import BLOCK, SCALE_SUFFIX
+        from reshard.common.quant import fp8_block_quantize
+
+        if p.tensor.endswith(SCALE_SUFFIX) and p.tensor.removesuffix(SCALE_SUFFIX) in self.dst.tensors:
+            weight = p.tensor.removesuffix(SCALE_SUFFIX)
+            shape = self.dst.tensors[weight].shape
+            lo = [o * k for o, k in zip(p.box.offset, BLOCK)]
+            hi = [min((o + n) * k, s) for o, n, k, s in zip(p.box.offset, p.box.size, BLOCK, shape)]
+            return fp8_block_quantize(self._regenerate(rb, weight, lo, [h - l_ for h, l_ in zip(hi, lo)]))[1]
+        held = self._regenerate(rb, p.tensor, p.box.offset, p.box.size)
+        if self.dst.tensors[p.tensor].dtype == "float8_e4m3fn":
+            return fp8_block_quantize(held)[0]
+        return held
+
+    def _regenerate(self, rb: RankBench, name: str, offset, size) -> torch.Tensor:
+        out = torch.empty(tuple(size), dtype=dtype_of(rb.src.tensors[name].dtype))
+        init_box(out, rb.seed, name, tuple(offset), rb.src.tensors[name].shape)
+        return out
 
 
 def _pattern_chunk(rank: int, start: int, n: int) -> torch.Tensor:

@@ -161,3 +161,61 @@ def source_buffer(derived: str) -> str:
 def wire_bytes(shape: tuple[int, ...]) -> int:
     """Bytes a block-FP8 tensor of `shape` takes on the wire: values and scales."""
     return math.prod(shape) + 4 * math.prod(scale_shape(shape))
+
+
+def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """What a block-FP8 checkpoint quantizes: the 2-D projection weights of the decoder layers (not
+    embeddings, the LM head, norms or routers)."""
+    return len(shape) == 2 and ".layers." in name and name.endswith("_proj.weight")
+
+
+def whole_block_tensors(layout: Layout) -> set[str]:
+    """The 2-D tensors every piece of which, on every rank, is made of whole blocks."""
+    out = {n for n, t in layout.tensors.items() if len(t.shape) == 2}
+    for c in range(len(layout.ranks.classes)):
+        for b in layout.ranks.cls(c):
+            out -= {p.tensor for p in b.pieces if p.tensor in out and not aligned(p.box, layout.tensors[p.tensor].shape)}
+    return out
+
+
+def fp8_destination(layout: Layout, among: set[str] | None = None) -> Layout:
+    """`layout` as an engine serving a block-FP8 checkpoint holds it: every linear weight
+    (`is_linear_weight`) whose buffers hold only such weights, each piece made of whole blocks at a
+    block boundary of its buffer, becomes float8_e4m3fn, with a `<buffer>_scale_inv` buffer of its
+    scales beside each buffer (`scale_buffer`). Others stay as they are (the bench's FP8 twin of a
+    destination: `reshard bench --fp8`). `among`: only these tensors may be FP8."""
+    quant = {n for n, t in layout.tensors.items() if is_linear_weight(n, t.shape) and (among is None or n in among)}
+    classes = [layout.ranks.cls(c) for c in range(len(layout.ranks.classes))]
+
+    def fits(b: LocalBuffer) -> bool:
+        return len(b.shape) == 2 and all(
+            p.tensor in quant and not p.flat and aligned(p.box, layout.tensors[p.tensor].shape)
+            and all(o % k == 0 for o, k in zip(p.region.offset, BLOCK)) for p in b.pieces)
+
+    changed = True
+    while changed:  # a tensor any of whose buffers cannot be FP8 stays unquantized everywhere
+        changed = False
+        for bufs in classes:
+            for b in bufs:
+                if not fits(b) and any(p.tensor in quant for p in b.pieces):
+                    quant -= {p.tensor for p in b.pieces}
+                    changed = True
+    if not quant:
+        return layout
+    tensors = dict(layout.tensors)
+    for n in quant:
+        shape = tensors[n].shape
+        tensors[n] = TensorSpec(n, shape, FP8)
+        tensors[scale_name(n)] = TensorSpec(scale_name(n), scale_shape(shape), "float32")
+    made = []
+    for bufs in classes:
+        out = []
+        for b in bufs:
+            if b.pieces and all(p.tensor in quant for p in b.pieces):
+                q = LocalBuffer(b.name, b.shape, FP8, b.pieces, b.padding)
+                out += [q, scale_buffer(q, b.name + SCALE_SUFFIX)]
+            else:
+                out.append(b)
+        made.append(tuple(out))
+    ranks = [made[c] for c in layout.ranks.rank_class]
+    return Layout({n: tensors[n] for n in sorted(tensors)}, ranks, layout.allow_casts, layout.receive_window)

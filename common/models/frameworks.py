@@ -527,7 +527,8 @@ _INT_KEYS = {"megatron": ("tp", "pp", "cp", "dp", "ep", "etp", "vpp"), "vllm": (
 
 def parse_spec(spec: str) -> tuple[str, dict[str, int | str]]:
     """'framework=megatron,tp=2,pp=4' -> ('megatron', {'tp': 2, 'pp': 4}), with errors naming the fix.
-    Every framework also takes dtype=NAME: the dtype its buffers hold (default: the model's)."""
+    Every framework also takes dtype=NAME: the dtype its buffers hold (default: the model's); vllm
+    takes quant=fp8 too (a block-FP8 checkpoint: `quantized.fp8_destination`)."""
     fields = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         k, sep, v = part.partition("=")
@@ -544,8 +545,14 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int | str]]:
                 raise ValueError(f"layout spec {spec!r}: dtype={v!r} must be one of {', '.join(DTYPES)}")
             out[k] = v
             continue
+        if k == "quant" and fw == "vllm":
+            if v != "fp8":
+                raise ValueError(f"layout spec {spec!r}: quant={v!r}: the one quantized format is fp8 (block FP8)")
+            out[k] = v
+            continue
         if k not in _INT_KEYS[fw]:
-            raise ValueError(f"layout spec {spec!r}: {fw} takes {', '.join(_INT_KEYS[fw] + ('dtype',))}, not {k!r}")
+            extra = ("dtype", "quant") if fw == "vllm" else ("dtype",)
+            raise ValueError(f"layout spec {spec!r}: {fw} takes {', '.join(_INT_KEYS[fw] + extra)}, not {k!r}")
         if not v.isdigit():
             raise ValueError(f"layout spec {spec!r}: {k}={v!r} must be a non-negative integer")
         out[k] = int(v)
@@ -557,6 +564,10 @@ def build(model: str | ModelSpec, spec: str) -> Layout:
     fw, kw = parse_spec(spec)
     if "dtype" in kw:
         m = dataclasses.replace(m, dtype=str(kw.pop("dtype")))
+    if kw.pop("quant", None):  # a block-FP8 checkpoint served: its linear weights and their scales
+        from reshard.common.layout.quantized import fp8_destination
+
+        return fp8_destination(BUILDERS[fw](m, **kw))
     return BUILDERS[fw](m, **kw)
 
 
