@@ -43,14 +43,39 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     return values.view(gm * bm, gn * bn)[:m, :n].contiguous(), scale.view(gm, gn)
 
 
-def quantize_derived(rank_buffers, descs, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A sender's derived buffers (common/layout/quantized.py): for each piece its rank's layout
-    moved into FP8 values and scales, the piece of `buffers` (its live or snapshot tensors, by
-    name; `descs`, its own LocalBuffers by name) quantized. Made for one transfer."""
-    from reshard.common.layout.quantized import derived_pieces, source_buffer
+class QuantizedBuffers(dict):
+    """A sender's buffers for one transfer with its derived ones (common/layout/quantized.py): each
+    piece its rank's layout moved into FP8 values and scales is quantized from `buffers` (its live or
+    snapshot tensors, by name; `descs`, its own LocalBuffers by name) when the transfer first reads
+    either of them, so quantizing a later round overlaps the bytes of an earlier one in flight."""
 
-    out = {}
-    for values, scales, i in derived_pieces(rank_buffers):
-        base = source_buffer(values)
-        out[values], out[scales] = fp8_block_quantize(descs[base].pieces[i].view(buffers[base]))
-    return out
+    def __init__(self, rank_buffers, descs, buffers: dict[str, torch.Tensor]) -> None:
+        from reshard.common.layout.quantized import derived_pieces, source_buffer
+
+        super().__init__(buffers)
+        self._todo = {}
+        for values, scales, i in derived_pieces(rank_buffers):
+            piece = (source_buffer(values), i, values, scales)
+            self._todo[values] = self._todo[scales] = piece
+        self._descs = descs
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        base, i, values, scales = self._todo.pop(name) if name in self._todo else (None, 0, "", "")
+        if base is None:
+            raise KeyError(name)
+        self._todo.pop(values if name == scales else scales, None)
+        self[values], self[scales] = fp8_block_quantize(self._descs[base].pieces[i].view(self[base]))
+        return self[name]
+
+    def quantize_all(self) -> "QuantizedBuffers":
+        """Every derived buffer made now (for a caller that reads them other than by name)."""
+        for name in list(self._todo):
+            if name in self._todo:
+                self[name]  # noqa: B018 - __missing__ makes it
+        return self
+
+
+def quantize_derived(rank_buffers, descs, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The derived buffers alone, all made now."""
+    q = QuantizedBuffers(rank_buffers, descs, buffers).quantize_all()
+    return {n: t for n, t in q.items() if n not in buffers}

@@ -415,7 +415,7 @@ def run_bench(a) -> int:
     from torch.distributed import TCPStore
 
     from reshard.common.models.frameworks import model_spec
-    from reshard.tools.bench_methods import METHODS
+    from reshard.tools.bench_methods import FP8_METHOD, METHODS
 
     if a.quick:
         a.sizes, a.dst_ranks, a.repeats, a.min_seconds = "tiny", "2", min(a.repeats, 1), 0.0
@@ -446,7 +446,7 @@ def run_bench(a) -> int:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     say(f"reshard bench: {len(configs)} layout pairs, {world} rank processes on {os.cpu_count()} cores, gloo on {host}; "
-        f"methods {', '.join(METHODS)}; 1 first run + {a.repeats} repeats each")
+        f"methods {', '.join(METHODS + ((FP8_METHOD,) if a.fp8 else ()))}; 1 first run + {a.repeats} repeats each")
     procs = [ctx.Process(target=rank_main, args=(g, world, host, port, nonce, configs, opts, q), daemon=True)
              for g in range(world)]
     for p in procs:

@@ -41,7 +41,7 @@ from reshard.common.dataplane.engine import Engine, StagingPool, receiver_checks
 from reshard.common.dataplane.transport import Transport, Work
 from reshard.common.layout.core import Layout, dtype_of
 from reshard.common.plan.planner import Plan, Side
-from reshard.common.quant import quantize_derived
+from reshard.common.quant import QuantizedBuffers
 from reshard.tools import baseline
 from reshard.tools.synth import init_box
 
@@ -154,7 +154,7 @@ class RankBench:
         f = self.fp8
         pool = self.pools[FP8_METHOD]
         if self.side == "src":  # quantized at every run, as the trainer worker does at every transfer
-            bufs = {**self.buffers, **quantize_derived(f.src.ranks[self.index], self.descs, self.buffers)}
+            bufs = QuantizedBuffers(f.src.ranks[self.index], self.descs, self.buffers)
         else:
             bufs = f.buffers
         Engine(self.t, f.plan, self.side, self.index, bufs, f.shapes, pool, deadline).run()

@@ -162,15 +162,16 @@ class TrainerWorker(WorkerBase):
 
     def with_derived(self, src, buffers):
         """A destination that serves block FP8 gets values and scales quantized here, from the weights
-        this rank holds, piece by piece (common/layout/quantized.py): made for each transfer, dropped after."""
+        this rank holds, piece by piece (common/layout/quantized.py), as the transfer first reads them
+        (common/quant.py): made for each transfer, dropped after."""
         mine = src.ranks[self.rank]
         if not derived_pieces(mine):
             return buffers, self.shapes
-        from reshard.common.quant import quantize_derived
+        from reshard.common.quant import QuantizedBuffers
 
         shapes = dict(self.shapes)
         shapes.update((n, t.shape) for n, t in src.tensors.items() if n not in shapes)
-        return {**buffers, **quantize_derived(mine, self.descs, buffers)}, shapes
+        return QuantizedBuffers(mine, self.descs, buffers), shapes
 
     def _run_transfer(self, p, plan, src, dst):
         """With a snapshot: send it only if it holds the update's version, and keep it from being

@@ -55,3 +55,28 @@ def test_quick_bench_end_to_end(tmp_path):
         assert s[k] is not None
     if importlib.util.find_spec("matplotlib"):
         assert png.stat().st_size > 1000
+
+
+@pytest.mark.slow  # a measurement tool's end-to-end run
+def test_bench_fp8_beside_bf16():
+    """`--fp8`: the destination serving block FP8 beside the BF16 one, in the same run: verified bit-exact
+    (the weights regenerated and quantized whole on the inference ranks), fewer bytes on the wire."""
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "bench", "--sizes", "medium", "--dst-ranks", "2", "--repeats", "1",
+                        "--min-seconds", "0", "--fp8", "--json", "--plot", ""], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    (cfg,) = out["configs"]
+    fp8, bf16 = cfg["methods"]["reshard-fp8"], cfg["methods"]["reshard"]
+    assert fp8["verified"] and fp8["bit_exact"] and out["verified"] is True
+    from reshard.common.layout.quantized import fp8_destination, whole_block_tensors
+    from reshard.common.models.frameworks import build
+
+    src, dst = build("medium", "framework=megatron,tp=2"), build("medium", "framework=vllm,tp=2")
+    q = fp8_destination(dst, whole_block_tensors(src))
+    n8 = [n for n, t in q.tensors.items() if t.dtype == "float8_e4m3fn"]
+    assert n8  # some linear weights are FP8 (whole blocks on both sides)
+    saved = sum(dst.tensors[n].nbytes - q.tensors[n].nbytes - q.tensors[n + "_scale_inv"].nbytes for n in n8)
+    assert bf16["bytes"] - fp8["bytes"] >= saved * 0.95  # each FP8 element is a byte, not two (packing aside)
+    s = cfg["reshard"]
+    assert s["fp8_over_bf16"] > 0 and s["fp8_bytes_over_bf16"] < 1
+    assert "block FP8 (quantized on the trainer ranks)" not in r.stdout  # --json: the table is not printed
