@@ -267,9 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     from reshard.tools.bench import add_parser as bench_parser
     from reshard.certs import add_parser as certs_parser
     from reshard.tools.chaos import add_parser as chaos_parser
+    from reshard.tools.control_scale import add_parser as control_scale_parser
     from reshard.simulate_cmd import add_parser as simulate_parser
 
     bench_parser(sub)
+    control_scale_parser(sub)
     simulate_parser(sub)
     chaos_parser(sub)
     certs_parser(sub)
@@ -564,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         from reshard.demo import run_demo
 
         return run_demo(a)
-    if a.command in ("bench", "simulate", "chaos", "certs"):
+    if a.command in ("bench", "simulate", "chaos", "certs", "control-scale"):
         return a._main(a)
     from reshard.common.control.rpc import new_event_loop
 

@@ -8,7 +8,7 @@ path (slots, merged sums, each rank's share) is exercised for real: a rank whose
 routed wrongly fails its check. (The per-piece check itself, `verify.check_rank`, is the unit
 tests' job: here it would cost minutes of one core for 128 ranks of 45,000 pieces.)
 
-    python -m tests.integration.dry_workers --role trainer --controller HOST:PORT --ranks 0-63
+    python -m reshard.tools.dry_workers --role trainer --controller HOST:PORT --ranks 0-63
         --model deepseek-v3 --layout framework=megatron,tp=1,pp=4,dp=32,ep=16 [--steps 2]
 """
 
