@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "`reshard status`; embedded workers on other hosts need HOST:PORT)")
         p.add_argument("--worker-timeout", type=_positive, default=5.0,
                        help="a worker silent this long (frozen) fails the update in flight, seconds")
+        p.add_argument("--metrics-listen", type=_address("metrics listen address"), default=None,
+                       help="serve Prometheus metrics on HOST:PORT/metrics (off by default; off loopback it needs TLS "
+                            "and tokens like --listen, and a scrape an operator's token: docs/operations.md)")
         add_server_flags(p)
 
     models = sorted(MODELS)
@@ -530,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
             sec = apply_flags(a)  # credentials from flags and the environment, checked before anything starts
             if a.command in ("inference", "trainer"):
                 sec.check_listen(parse_address(a.listen)[0], f"reshard {a.command}", warn=False)  # the server warns
+                if a.metrics_listen:
+                    try:
+                        sec.check_listen(parse_address(a.metrics_listen)[0], f"reshard {a.command} --metrics-listen", warn=False)
+                    except SecurityError as e:
+                        raise SecurityError(f"--metrics-listen {a.metrics_listen}: {e}") from None
                 if a.worker_listen and not a.worker_listen.startswith("unix:"):
                     sec.for_workers([]).check_listen(parse_address(a.worker_listen)[0], f"reshard {a.command} --worker-listen",
                                                      warn=False)
@@ -547,13 +555,14 @@ def main(argv: list[str] | None = None) -> int:
             from reshard.inference_svc.service import main as inf_main
 
             return inf_main(a.listen, a.workers, a.model, a.seed, a.staging, dl, spawn_workers=not a.external_workers,
-                            layout=a.layout, device=a.device, worker_listen=a.worker_listen or "", pool_bytes=a.pool_bytes)
+                            layout=a.layout, device=a.device, worker_listen=a.worker_listen or "", pool_bytes=a.pool_bytes,
+                            metrics_listen=a.metrics_listen or "")
         from reshard.trainer_svc.service import main as tr_main
 
         return tr_main(a.listen, a.workers, a.model, a.inference, a.seed, a.run, dl, a.bucket_bytes, a.layout_fault,
                        spawn_workers=not a.external_workers, store_host=a.store_host, layout=a.layout,
                        master_dtype=a.master_dtype, backend=a.backend, device=a.device, allow_rollback=a.allow_rollback,
-                       worker_listen=a.worker_listen or "", method=a.transfer_method)
+                       worker_listen=a.worker_listen or "", method=a.transfer_method, metrics_listen=a.metrics_listen or "")
     if a.command == "doctor":
         from reshard.doctor import main as doctor_main
 

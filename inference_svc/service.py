@@ -527,7 +527,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         record = pb.UpdateRecord(version=u.version, ok=True, seconds=time.monotonic() - u.started, bytes=nbytes, verified=True,
                                  verify_seconds=verify_s, method=u.method, requests_during=max(0, during), tensors=u.tensors,
                                  update_id=u.id, note=u.note)
-        self.hub.meter.record(record)
+        self.hub.finished(record)
         self.history.append(record)
         self.history = self.history[-100:]
         log.info("committed %s (%s, %d bytes)", _v(u.version), u.method, nbytes)
@@ -563,7 +563,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         self.last_error = error
         record = pb.UpdateRecord(version=u.version, ok=False, error=error, method=u.method, seconds=time.monotonic() - u.started,
                                  update_id=u.id)
-        self.hub.meter.record(record)
+        self.hub.finished(record)
         self.history.append(record)
         self.history = self.history[-100:]
         log.error("update %s failed: %s", _v(u.version), error)
@@ -865,7 +865,7 @@ def _place(pieces: list[wpb.ReadPiece], region, reg, cv, dtype) -> list[pb.Versi
 
 async def serve(listen: str, workers: int, model: str, *, seed: int = 0, staging: str = "shadow", layout: str = "",
                 deadlines: Deadlines | None = None, stop: asyncio.Event, spawn_workers: bool = True, device: str = "cpu",
-                worker_listen: str = "", pool_bytes: int = 256 << 20) -> int:
+                worker_listen: str = "", pool_bytes: int = 256 << 20, metrics_listen: str = "") -> int:
     deadlines = deadlines or Deadlines()
     from reshard.common.control.hub import local_host
     from reshard.common.control.supervisor import RunDirError, run_file
@@ -898,11 +898,12 @@ async def serve(listen: str, workers: int, model: str, *, seed: int = 0, staging
             f"model {model}, {workers} standalone workers, {staging} staging)" if spawn_workers else
             f"{workers} external workers on {waddr}{f', model label {model}' if model else ''}; each reports its staging)"),
         command if spawn_workers else None, (watchdog(),), worker_timeout=deadlines.worker_s,
-        worker_listen=worker_listen)
+        worker_listen=worker_listen, metrics_listen=metrics_listen, status=lambda: ctl.GetStatus(pb.StatusRequest(), None))
 
 
 def main(listen: str, workers: int, model: str, seed: int, staging: str, deadlines: Deadlines, spawn_workers: bool = True,
-         layout: str = "", device: str = "cpu", worker_listen: str = "", pool_bytes: int = 256 << 20) -> int:
+         layout: str = "", device: str = "cpu", worker_listen: str = "", pool_bytes: int = 256 << 20,
+         metrics_listen: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, seed=seed, staging=staging, deadlines=deadlines, stop=stop,
                                        spawn_workers=spawn_workers, layout=layout, device=device,
-                                       worker_listen=worker_listen, pool_bytes=pool_bytes))
+                                       worker_listen=worker_listen, pool_bytes=pool_bytes, metrics_listen=metrics_listen))

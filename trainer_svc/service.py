@@ -736,7 +736,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         record.tensors = len(u.names) if u.names else len(u.dst.tensors)
         record.seconds = time.monotonic() - u.t0
         self.hub.meter.add("FinishUpdateReply", rep)
-        self.hub.meter.record(record)
+        self.hub.finished(record)
         log.info("update %s committed in %.2fs (%s, %d bytes)", _v(u.version), record.seconds, self.method, rep.bytes)
         self.history.append(record)
         return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
@@ -763,7 +763,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             if u.began:
                 log.warning("abort on inference failed: %s", status_error(e2))
         u.record.ok, u.record.error, u.record.seconds = False, msg, time.monotonic() - u.t0
-        self.hub.meter.record(u.record)
+        self.hub.finished(u.record)
         self.history.append(u.record)
         return pb.UpdateOutcome(ok=False, error=msg, record=u.record)
 
@@ -795,7 +795,7 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",
                 stop: asyncio.Event, spawn_workers: bool = True, store_host: str = "", layout: str = "",
                 master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False,
-                worker_listen: str = "", method: str = RESHARD) -> int:
+                worker_listen: str = "", method: str = RESHARD, metrics_listen: str = "") -> int:
     deadlines = deadlines or Deadlines()
     run = run or f"run-{uuid.uuid4().hex[:8]}"
     hub = WorkerHub(workers, "trainer")
@@ -818,15 +818,16 @@ async def serve(listen: str, workers: int, model: str, inference: list[str], *, 
                         f"{workers} external workers{f', model label {model}' if model else ''}")
                      + f" on {waddr}, inference {', '.join(inference) or 'none'})",
         command if spawn_workers else None, (ctl.runner(), ctl.watch()), worker_timeout=deadlines.worker_s,
-        worker_listen=worker_listen)
+        worker_listen=worker_listen, metrics_listen=metrics_listen, status=lambda: ctl.GetStatus(pb.StatusRequest(), None))
 
 
 def main(listen: str, workers: int, model: str, inference: list[str], seed: int, run: str, deadlines: Deadlines,
          bucket_bytes: int, layout_fault: str, spawn_workers: bool = True, store_host: str = "", layout: str = "",
          master_dtype: str = "", backend: str = "auto", device: str = "cpu", allow_rollback: bool = False,
-         worker_listen: str = "", method: str = RESHARD) -> int:
+         worker_listen: str = "", method: str = RESHARD, metrics_listen: str = "") -> int:
     return run_main(lambda stop: serve(listen, workers, model, inference, seed=seed, run=run, deadlines=deadlines,
                                        bucket_bytes=bucket_bytes, layout_fault=layout_fault, stop=stop,
                                        spawn_workers=spawn_workers, store_host=store_host, layout=layout,
                                        master_dtype=master_dtype, backend=backend, device=device,
-                                       allow_rollback=allow_rollback, worker_listen=worker_listen, method=method))
+                                       allow_rollback=allow_rollback, worker_listen=worker_listen, method=method,
+                                       metrics_listen=metrics_listen))

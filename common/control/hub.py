@@ -113,6 +113,7 @@ class WorkerHub(wgrpc.WorkerControlServicer):
         self.worker_address = ""  # where its workers attach (serve_controller's worker listener)
         self.default_run = ""  # the run of versions a worker reports without one (a trainer made without run=)
         self.meter = ControlMeter()  # the controller resets it when an update begins
+        self.metrics = None  # common.control.metrics.ControllerMetrics, with --metrics-listen
         self._layout: tuple[int, asyncio.Future] | None = None  # (generation, (layout, fingerprint, bytes))
         self._tasks: set[asyncio.Task] = set()
 
@@ -207,6 +208,12 @@ class WorkerHub(wgrpc.WorkerControlServicer):
             if self.workers.get(h.rank) is conn:
                 self._drop(conn, "its stream ended")
                 await self._notify()
+
+    def finished(self, record, deployment: str = "") -> None:
+        """An update ended (committed or failed): its control-plane figures, and the metrics."""
+        self.meter.record(record)
+        if self.metrics is not None:
+            self.metrics.record(record, deployment)
 
     async def layout(self) -> tuple[Layout, str, bytes]:
         """This side's layout from its workers' hellos, with its fingerprint and bytes: built off
@@ -450,7 +457,8 @@ def local_host(listen: str) -> str:
 async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: str, stop: asyncio.Event,
                            banner: Callable[[str, str], str], command: Callable[[str, int], list[str]] | None,
                            background: tuple = (), worker_timeout: float = 5.0, worker_listen: str = "",
-                           on_listen: Callable[[str], None] | None = None) -> int:
+                           on_listen: Callable[[str], None] | None = None, metrics_listen: str = "",
+                           status=None) -> int:
     """Run a controller until `stop`: its gRPC service (with health and reflection) on `listen`,
     the worker protocol on a listener of its own (`worker_listen`: HOST:PORT, or by default a
     Unix socket in the private run folder), its background coroutines, and (when `command` is
@@ -482,7 +490,23 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
         wgrpc.add_WorkerControlServicer_to_server(hub, server)
         return [wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name]
 
-    server, hs, port = await start_server(listen, register, services=[service])
+    if metrics_listen:  # Prometheus metrics (common/control/metrics.py): the registry before the server it counts
+        from reshard.common.control.metrics import ControllerMetrics
+
+        hub.metrics = ControllerMetrics(hub.role, status, asyncio.get_running_loop(),
+                                        restarts=lambda: max(0, hub.supervisor.starts - hub.world) if hub.supervisor else 0)
+    server, hs, port = await start_server(listen, register, services=[service],
+                                          interceptors=[hub.metrics.interceptor()] if hub.metrics else [])
+    if hub.metrics is not None:
+        from reshard.common.control.security import SecurityError, current
+
+        try:
+            mport = hub.metrics.serve(metrics_listen, current())
+        except (SecurityError, OSError, ValueError) as e:
+            await stop_server(server, hs, 0)
+            print(f"reshard {hub.role}: --metrics-listen {metrics_listen}: {e}", file=sys.stderr, flush=True)
+            return 2
+        log.info("%s controller metrics on %s:%d/metrics", hub.role, local_host(metrics_listen), mport)
     addr = f"{local_host(listen)}:{port}"
     runs = run_file(hub.role, addr) if uses_run_dir else ""
     worker_listen = worker_listen or f"unix:{runs[:-len('.json')]}.sock"
@@ -518,6 +542,8 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
         t.cancel()
     await stop_server(server, hs)
     await stop_server(wserver, whs)
+    if hub.metrics is not None:
+        hub.metrics.stop()
     if waddr.startswith("unix:"):
         with contextlib.suppress(OSError):
             os.unlink(waddr[len("unix:"):])

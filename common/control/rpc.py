@@ -94,13 +94,14 @@ def channel(addr: str, security=None) -> grpc.aio.Channel:
 
 
 async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[str]], *, worker_tokens=None,
-                       what: str = "listen address", services: list[str] | None = None,
+                       what: str = "listen address", services: list[str] | None = None, interceptors=(),
                        ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start a grpc.aio server with health and reflection; returns (server, health, port).
     `worker_tokens` (a list of tokens, possibly empty) makes it the worker listener: only the
     worker role's tokens are accepted there, and a `unix:` path is allowed. `services` (the full
     names `register` adds; None: any of ours) set the transport's receive limit: the largest request
-    their methods take (security.receive_limit), refused by gRPC before it is buffered."""
+    their methods take (security.receive_limit), refused by gRPC before it is buffered. `interceptors`
+    run first (the metrics': every call counted, refused ones too)."""
     from reshard.common.control.security import LimitInterceptor, current, receive_limit
 
     host, _ = parse_target(listen, what) if worker_tokens is not None else parse_address(listen, what)
@@ -113,7 +114,8 @@ async def start_server(listen: str, register: Callable[[grpc.aio.Server], list[s
     # With mutual TLS, a caller's roles are also those its client certificate carries.
     options = [*(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
                ("grpc.max_receive_message_length", receive_limit(services))]
-    server = grpc.aio.server(options=options, interceptors=[*sec.interceptors(tls_port=host != "unix"), LimitInterceptor()])
+    server = grpc.aio.server(options=options, interceptors=[*interceptors, *sec.interceptors(tls_port=host != "unix"),
+                                                            LimitInterceptor()])
     names = register(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

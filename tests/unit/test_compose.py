@@ -58,7 +58,8 @@ def services(compose) -> dict:
 
 @pytest.fixture(scope="module")
 def parsed(services) -> dict:
-    return {name: parse_command(name, svc.get("command")) for name, svc in services.items()}
+    """Every reshard service's command, parsed by the CLI (the monitoring profile's are not reshard's)."""
+    return {name: parse_command(name, svc.get("command")) for name, svc in services.items() if name not in MONITORING}
 
 
 def healthcheck_argv(service: str, svc: dict) -> list[str]:
@@ -117,12 +118,35 @@ def certs_out(services, parsed) -> tuple[str, str]:
     return in_volume("certs", services["certs"], parsed["certs"].out)
 
 
+MONITORING = {"prometheus", "grafana"}
+
+
+def test_monitoring_profile(services):
+    """`--profile monitoring`: Prometheus and Grafana, only with that profile, reading the repository's
+    scrape config, alert rules and dashboard; both controllers serve metrics where the config scrapes."""
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in MONITORING:
+        assert services[name].get("profiles") == ["monitoring"], name
+    mounts = [v.split(":")[0] for v in services["prometheus"]["volumes"]] + [v.split(":")[0] for v in services["grafana"]["volumes"]]
+    for src in mounts:
+        if src.startswith("./"):
+            assert os.path.exists(os.path.join(root, src)), src
+    scrape = yaml.safe_load(open(os.path.join(root, "deploy", "prometheus", "prometheus.yml")))
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    for name in ("trainer", "inference"):
+        cmd = services[name]["command"]
+        port = cmd[cmd.index("--metrics-listen") + 1].rpartition(":")[2]
+        assert f"{name}:{port}" in targets, (name, targets)
+
+
 def test_three_services(services):
     assert {"certs", "inference", "trainer", "update"} <= set(services)
 
 
 def test_every_command_is_a_list_the_cli_accepts(services, parsed):
-    assert set(parsed) == set(services)
+    assert set(parsed) == set(services) - MONITORING
     assert parsed["certs"].command == "certs"
     assert parsed["inference"].command == "inference"
     assert parsed["trainer"].command == "trainer"
@@ -259,7 +283,7 @@ def test_clients_use_tls_and_the_operator_token(clients):
 
 def test_credential_files_are_the_ones_certs_writes_in_a_volume_the_service_mounts(services, parsed, clients, certs_out):
     volume, folder = certs_out
-    users = [(name, name, parsed[name]) for name in services if name != "certs"]
+    users = [(name, name, parsed[name]) for name in services if name != "certs" and name in parsed]
     users += [(name, svc, ns) for name, (svc, ns) in clients.items() if name != "update"]
     for name, service, ns in users:
         for flag in PATH_FLAGS:
