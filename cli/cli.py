@@ -119,6 +119,9 @@ def _positive(s: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="reshard", description="Parallel weight resharding for disaggregated RL")
     ap.add_argument("--log-level", type=_log_level, default=os.environ.get("RESHARD_LOG_LEVEL", "INFO"))
+    ap.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("RESHARD_LOG_FORMAT", "text") or "text",
+                    help="text, or json: one object per line, with the update id, version and deployment on every line "
+                         "of an update (RESHARD_LOG_FORMAT; standalone workers follow it)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def service_args(p, workers: str) -> None:
@@ -527,7 +530,10 @@ def check_service_args(a) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from reshard.common.control.logs import configure
+
+    os.environ["RESHARD_LOG_FORMAT"] = a.log_format  # the standalone workers this process starts log alike
+    configure(a.log_level, a.log_format, role=a.command)
     if hasattr(a, "token_file"):
         try:
             sec = apply_flags(a)  # credentials from flags and the environment, checked before anything starts

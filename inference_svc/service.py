@@ -18,6 +18,7 @@ import grpc
 
 from reshard.common.control import faults
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, serve_controller
+from reshard.common.control.logs import set_update
 from reshard.common.control.phases import FINISHING, TERMINAL, Phase
 from reshard.common.control.rpc import Deadlines, clamp_timeout, keep_task, run_main
 from reshard.common.control.security import current as current_security
@@ -337,6 +338,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return ""
 
     async def BeginUpdate(self, req: pb.BeginUpdateRequest, context):
+        set_update(req.update_id, req.version if req.HasField("version") else None)  # its log lines say so
         await self._peer(context)
         if why := self._check_begin(req):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
@@ -448,6 +450,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
     async def FinishUpdate(self, req: pb.FinishUpdateRequest, context):
         """Verify and commit on every rank, once: a retried call (or one that arrives while the
         first still runs) gets the same outcome, and a caller that goes away does not stop it."""
+        set_update(req.update_id)  # its log lines say so
         await self._peer(context)
         if not _ident_ok(req.update_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "FinishUpdateRequest.update_id: 1 to 64 letters, "
@@ -459,6 +462,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         if done is None and u.phase == Phase.ABORT:
             await context.abort(grpc.StatusCode.ABORTED, f"update {_v(u.version)} failed: {u.error}")
         if done is None:
+            set_update(req.update_id, u.version)
             if u.finish is None:
                 u.finish = keep_task(self._tasks, self._finish(u, req))
             try:
@@ -535,6 +539,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
         return reply
 
     async def AbortUpdate(self, req: pb.AbortUpdateRequest, context):
+        set_update(req.update_id, req.version if req.HasField("version") else None)  # its log lines say so
         await self._peer(context)
         if not _ident_ok(req.update_id) or len(req.version.run) > MAX_NAME:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "AbortUpdateRequest.update_id: 1 to 64 letters, digits, "

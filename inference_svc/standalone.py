@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")
     ap.add_argument("--pool-bytes", type=int, default=256 << 20, help="staging bounded: the pool updates go through")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s")
+    from reshard.common.control.logs import configure
+
+    configure(os.environ.get("RESHARD_LOG_LEVEL", "INFO"), text_format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s",
+              role=f"inference-worker-{a.rank}")
     if a.deprecated_mode is not None:
         if a.staging not in (None, a.deprecated_mode):
             ap.error(f"--staging {a.staging} and --mode {a.deprecated_mode} (its deprecated name) disagree")

@@ -18,6 +18,7 @@ import grpc
 
 from reshard.common.control import faults
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
+from reshard.common.control.logs import set_update
 from reshard.common.control.methods import RESHARD, transfer_methods
 from reshard.common.control.phases import AT_REST, Phase
 from reshard.common.control.rpc import RECONNECT_S, Deadlines, channel, clamp_timeout, parse_address, run_main, status_error
@@ -589,6 +590,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         """One update of one deployment, phase by phase: any failure, the unexpected ones too, aborts
         it everywhere (every worker, inference) and drops its data-plane session."""
         u = self._begin_attempt(d, version)
+        set_update(u.uid, version, d.address)  # every log line of this update says so (--log-format json)
         try:
             await self._wait_workers(u.deadline)
             self._enter(u, Phase.NEGOTIATE)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import os
 import signal
 import threading
@@ -93,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-dtype", default="", help="hold the weights in this dtype (e.g. float32 masters), cast on send")
     ap.add_argument("--device", default="cpu", help="cpu, cuda (GPU rank %% count) or cuda:N")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("RESHARD_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s")
+    from reshard.common.control.logs import configure
+
+    configure(os.environ.get("RESHARD_LOG_LEVEL", "INFO"), text_format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s",
+              role=f"trainer-worker-{a.rank}")
     torch.set_num_threads(1)
     layout = build(a.model, a.layout or f"framework=megatron,tp={a.world}")
     if layout.world != a.world:

@@ -524,7 +524,8 @@ async def serve_controller(listen: str, hub: WorkerHub, add_servicer, service: s
     hub.worker_address = waddr
     if on_listen:
         on_listen(waddr)
-    print(banner(addr, waddr), file=sys.stderr, flush=True)
+    if os.environ.get("RESHARD_LOG_FORMAT", "text") != "json":  # JSON logs: the log line below is the banner
+        print(banner(addr, waddr), file=sys.stderr, flush=True)
     log.info("%s", banner(addr, waddr))
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(coro) for coro in (*background, hub.watch_stale(worker_timeout))]

@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from reshard.common.control import faults
+from reshard.common.control.logs import set_update
 from reshard.common.control.methods import RESHARD, transfer_method
 from reshard.common.control.rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
 from reshard.common.control.security import Security
@@ -450,6 +451,7 @@ class WorkerBase:
         return {"nccl_unique_id": uid}
 
     async def _on_prepare(self, p: wpb.Prepare, cid: int) -> dict:
+        set_update(p.update_id, p.version)  # this task's log lines (and its transfer's) name the update
         faults.at_phase(f"{self.role}-worker", "CONNECT", self.rank)
         loop = asyncio.get_running_loop()
         opts = plan_options(p.bucket_bytes, p.session.transport)
