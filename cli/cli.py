@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import sys
+import time
 
 import grpc
 
@@ -221,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inference", type=_address("inference address"))
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=_positive, default=10.0)
+    p.add_argument("--watch", type=_positive, nargs="?", const=1.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 1) in place: the update in flight with its byte rate, versions "
+                        "and lag per deployment, unhealthy workers; Ctrl-C stops")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many refreshes")
     add_client_flags(p)
 
     p = sub.add_parser("dump", help="reassemble a canonical tensor from the inference workers")
@@ -374,6 +380,8 @@ async def cmd_status(a) -> int:
     addr = a.trainer or a.inference
     async with channel(addr) as ch:
         stub = rgrpc.TrainerServiceStub(ch) if a.trainer else rgrpc.InferenceServiceStub(ch)
+        if getattr(a, "watch", None) is not None:
+            return await _watch_status(a, stub, pb)
         try:
             st = await stub.GetStatus(pb.StatusRequest(), timeout=a.timeout)
         except grpc.aio.AioRpcError as e:
@@ -382,35 +390,85 @@ async def cmd_status(a) -> int:
     if a.json:
         print(json.dumps(message_to_dict(st)))
         return 0
+    print("\n".join(status_lines(st)))
+    return 0
+
+
+async def _watch_status(a, stub, pb) -> int:
+    """`status --watch`: the status again every `a.watch` seconds, redrawn in place on a terminal
+    (blocks one after another otherwise), with the byte rate of the update in flight; until
+    Ctrl-C, or `--count` refreshes."""
+    tty = sys.stdout.isatty()
+    last: tuple[float, str, int] | None = None  # (when, update, bytes done)
+    n = 0
+    try:
+        count = getattr(a, "count", None)
+        while count is None or n < count:
+            n += 1
+            try:
+                st = await stub.GetStatus(pb.StatusRequest(), timeout=a.timeout)
+                now = time.monotonic()
+                p = st.progress
+                key = f"{p.version.run}:{p.version.step}"
+                rate = None
+                if st.update_in_progress and last is not None and last[1] == key and now > last[0]:
+                    rate = (p.bytes_done - last[2]) / (now - last[0])
+                last = (now, key, p.bytes_done) if st.update_in_progress else None
+                lines = status_lines(st, rate)
+            except grpc.aio.AioRpcError as e:
+                lines = [f"status failed: {status_error(e)}"]
+            head = f"reshard status {a.trainer or a.inference} at {time.strftime('%H:%M:%S')} (every {a.watch:g} s, Ctrl-C stops)"
+            if a.json:
+                print(json.dumps(message_to_dict(st)) if lines and not lines[0].startswith("status failed") else
+                      json.dumps({"error": lines[0]}), flush=True)
+            else:
+                print(("\x1b[H\x1b[2J" if tty else ("\n" if n > 1 else "")) + "\n".join([head, *lines]), flush=True)
+            if count is None or n < count:
+                await asyncio.sleep(a.watch)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+    return 0
+
+
+def status_lines(st, rate: float | None = None) -> list[str]:
+    """A status as the operator reads it: versions and lag per deployment, the update in flight
+    (phase, bytes, rate), unhealthy workers first, then every worker."""
+    out = []
     v = f"{st.version.run}:{st.version.step}" if st.has_version else "none"
-    print(f"{st.role} ({st.model}): {'published' if st.role == 'trainer' else 'serving'} {v}, state {st.serving_state}")
+    out.append(f"{st.role} ({st.model}): {'published' if st.role == 'trainer' else 'serving'} {v}, state {st.serving_state}")
     if st.role == "trainer":
-        print(f"  committed on inference: {st.committed.run}:{st.committed.step}" if st.has_committed else "  committed on inference: none")
+        out.append(f"  committed on inference: {st.committed.run}:{st.committed.step}" if st.has_committed
+                   else "  committed on inference: none")
         for d in st.deployments:
             dv = f"{d.committed.run}:{d.committed.step}" if d.has_committed else "none"
-            print(f"  deployment {d.address}: committed {dv}, {d.phase}" + (f", last error: {d.last_error}" if d.last_error else ""))
+            lag = f", {st.version.step - d.committed.step} steps behind" if d.has_committed and st.has_version else ""
+            out.append(f"  deployment {d.address}: committed {dv}{lag}, {d.phase}" +
+                       (f", last error: {d.last_error}" if d.last_error else ""))
     p = st.progress
     if st.update_in_progress:
         pct = 100.0 * p.bytes_done / p.bytes_total if p.bytes_total else 0.0
-        print(f"  update {p.version.run}:{p.version.step}: {p.phase} {p.bytes_done}/{p.bytes_total} bytes ({pct:.0f}%)"
-              + (f": {p.detail}" if p.detail else ""))
+        out.append(f"  update {p.version.run}:{p.version.step}: {p.phase} {p.bytes_done}/{p.bytes_total} bytes ({pct:.0f}%)"
+                   + (f", {rate / 1e6:.1f} MB/s" if rate is not None else "") + (f": {p.detail}" if p.detail else ""))
     if st.last_error:
-        print(f"  last error: {st.last_error}")
+        out.append(f"  last error: {st.last_error}")
     if st.worker_address:
-        print(f"  workers attach at {st.worker_address}")
+        out.append(f"  workers attach at {st.worker_address}")
+    unhealthy = [w for w in st.workers if w.state not in ("READY", "BUSY")]
+    if unhealthy:
+        out.append("  unhealthy workers: " + ", ".join(f"{w.rank} ({w.state})" for w in unhealthy))
     for w in st.workers:
         wv = f"{w.version.run}:{w.version.step}" if w.has_version else "none"
-        print(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else "")
-              + (f"\n    {w.detail}" if w.detail else ""))
+        out.append(f"  worker {w.rank}: {w.state} pid {w.pid} version {wv}" + (f" requests {w.requests_served}" if st.role == "inference" else "")
+                   + (f"\n    {w.detail}" if w.detail else ""))
     if st.role == "inference":
-        print(f"  requests served: {st.requests_served} ({st.requests_during_updates} during updates)")
+        out.append(f"  requests served: {st.requests_served} ({st.requests_during_updates} during updates)")
         by: dict[str, int] = {}
         for w in st.workers:
             for k, n in w.requests_by_version.items():
                 by[k] = by.get(k, 0) + n
         if by:
-            print("  requests by version: " + ", ".join(f"{k} {n}" for k, n in sorted(by.items())))
-    return 0
+            out.append("  requests by version: " + ", ".join(f"{k} {n}" for k, n in sorted(by.items())))
+    return out
 
 
 async def cmd_dump(a) -> int:

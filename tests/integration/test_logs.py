@@ -14,7 +14,7 @@ import pytest
 
 from .cluster import cli, free_port, stop_processes
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # slow: two services for one log check (CI runs it)
 
 
 def test_json_logs_name_the_update_on_every_line_of_it(tmp_path):

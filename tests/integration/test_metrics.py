@@ -1,6 +1,7 @@
 """Prometheus metrics on both real controllers (`--metrics-listen`), read the way Prometheus reads
 them (an HTTP GET of /metrics, parsed by prometheus_client's own parser), after two committed
-updates and one refused update: the figures must agree with what `status --json` says."""
+updates and one refused update: the figures must agree with what `status --json` says. Then the
+operator's live view of the same (`reshard status --watch`)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ def test_metrics_after_two_committed_updates_and_one_refused():
         assert value(i, "reshard_grpc_requests_total", method="/reshard.v1.InferenceService/FinishUpdate", code="OK") == 2
         assert value(t, "reshard_grpc_requests_total", method="/reshard.v1.TrainerService/GetStatus", code="OK") >= 1
         assert value(t, "reshard_grpc_request_duration_seconds_count", method="/reshard.v1.TrainerService/TriggerUpdate") >= 3
+        # The operator's live view: refreshed blocks (not a terminal: one after another), the lag per deployment
+        r = cli("status", "--trainer", c.tr, "--watch", "0.1", "--count", "3", timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count(f"reshard status {c.tr} at ") == 3, r.stdout
+        assert r.stdout.count(f"deployment {c.inf}: committed run1:2, 1 steps behind") == 3, r.stdout
+        assert "\x1b[" not in r.stdout  # no terminal control codes into a pipe
     finally:
         c.close()
 
