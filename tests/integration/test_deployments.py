@@ -80,6 +80,7 @@ def test_two_deployments_with_relays():
         c.close()
 
 
+@pytest.mark.slow  # the quick suite stays under 5 minutes on 2 cores; CI runs it with the slow tests
 def test_an_inference_controller_that_comes_up_after_the_trainer_is_updated_at_once():
     """The trainer controller tried the inference address before it listened, so its channel is
     between connection attempts (gRPC backs off up to 2 s) when inference comes up. An update asked

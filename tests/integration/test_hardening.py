@@ -482,6 +482,7 @@ def test_fencing_survives_an_inference_restart_and_cannot_be_taken_by_naming_an_
         stop_processes(procs)
 
 
+@pytest.mark.slow  # the quick suite stays under 5 minutes on 2 cores; CI runs it with the slow tests
 def test_the_controller_takes_the_staging_its_workers_report():
     """Item 26: a deployment of embedded in-place workers behind a controller started without --staging
     (standalone workers' setting, shadow by default): a transfer that fails midway tears their weights,

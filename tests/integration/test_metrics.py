@@ -91,6 +91,7 @@ def test_metrics_after_two_committed_updates_and_one_refused():
         c.close()
 
 
+@pytest.mark.slow  # the quick suite stays under 5 minutes on 2 cores; CI runs it with the slow tests
 def test_metrics_listener_is_refused_off_loopback_without_protection_and_needs_a_token(tmp_path):
     r = cli("inference", "--listen", f"127.0.0.1:{free_port()}", "--workers", "1", "--model", "tiny",
             "--metrics-listen", f"0.0.0.0:{free_port()}", timeout=60)

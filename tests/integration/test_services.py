@@ -162,6 +162,7 @@ def test_status_human_output(cluster):
     assert "committed on inference: run1:" in r.stdout
 
 
+@pytest.mark.slow  # the quick suite stays under 5 minutes on 2 cores; CI runs it with the slow tests
 def test_wrong_interleave_is_caught_by_the_dump_check():
     """A trainer whose memory disagrees with its declared layout (k and v rows of a query
     group swapped): the update itself is self-consistent, the independent check must fail."""

@@ -332,6 +332,7 @@ def _wait_for(log_path: pathlib.Path, text: str, within: float = 15) -> str:
     return log_path.read_text()
 
 
+@pytest.mark.slow  # the quick suite stays under 5 minutes on 2 cores; CI runs it with the slow tests
 @pytest.mark.integration
 def test_adopted_workers_keep_their_log_and_last_words(tmp_path):
     """A restarted controller adopts the workers its predecessor left, whose stderr was a pipe to

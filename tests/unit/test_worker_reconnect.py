@@ -56,5 +56,6 @@ def test_a_worker_attaches_again_soon_after_its_controller_and_warns_once(caplog
     assert len(unreachable) > 4  # it kept trying
     gaps = [b.created - a.created for a, b in zip(unreachable, unreachable[1:])]
     assert max(gaps) < 1.0, f"attempts {gaps} apart"  # 0.5 s at most, and the failed attempt itself
-    assert back < 2.0, f"attached again {back:.2f}s after its controller was back"
+    # soon: within its retry cadence and one connection attempt (not a long backoff), with room for a loaded machine
+    assert back < 4.0, f"attached again {back:.2f}s after its controller was back"
     assert [r.levelno for r in unreachable].count(logging.WARNING) == 1, [r.getMessage() for r in unreachable]
