@@ -79,15 +79,7 @@ class QuantizedBuffers(dict):
         self[values], self[scales] = fp8_block_quantize(self._descs[base].pieces[i].view(self[base]))
         return self[name]
 
-    def quantize_all(self) -> "QuantizedBuffers":
-        """Every derived buffer made now (for a caller that reads them other than by name)."""
-        for name in list(self._todo):
-            if name in self._todo:
-                self[name]  # noqa: B018 - __missing__ makes it
-        return self
-
-
-def quantize_derived(rank_buffers, descs, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The derived buffers alone, all made now."""
-    q = QuantizedBuffers(rank_buffers, descs, buffers).quantize_all()
-    return {n: t for n, t in q.items() if n not in buffers}
+    @property
+    def pending(self) -> bool:
+        """Whether any derived buffer is still to be made (False: there are none)."""
+        return bool(self._todo)

@@ -33,7 +33,6 @@ from reshard.common.control.security import Security
 from reshard.common.control.worker import WorkerBase
 from reshard.common.dataplane.transport import TransportError
 from reshard.common.layout.core import LocalBuffer, TensorSpec
-from reshard.common.layout.quantized import derived_pieces
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import worker_pb2 as wpb
 
@@ -164,14 +163,14 @@ class TrainerWorker(WorkerBase):
         """A destination that serves block FP8 gets values and scales quantized here, from the weights
         this rank holds, piece by piece (common/layout/quantized.py), as the transfer first reads them
         (common/quant.py): made for each transfer, dropped after."""
-        mine = src.ranks[self.rank]
-        if not derived_pieces(mine):
-            return buffers, self.shapes
         from reshard.common.quant import QuantizedBuffers
 
+        q = QuantizedBuffers(src.ranks[self.rank], self.descs, buffers)
+        if not q.pending:
+            return buffers, self.shapes
         shapes = dict(self.shapes)
         shapes.update((n, t.shape) for n, t in src.tensors.items() if n not in shapes)
-        return QuantizedBuffers(mine, self.descs, buffers), shapes
+        return q, shapes
 
     def _run_transfer(self, p, plan, src, dst):
         """With a snapshot: send it only if it holds the update's version, and keep it from being

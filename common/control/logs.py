@@ -10,7 +10,6 @@ trainer or an engine never touches its host's logging."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import json
 import logging
@@ -22,23 +21,9 @@ FORMATS = ("text", "json")
 _UPDATE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reshard_update", default=None)
 
 
-@contextlib.contextmanager
-def update_context(update_id: str, version=None, deployment: str = ""):
-    """Within it, every log line of this task says which update it belongs to."""
-    fields = {"update_id": update_id}
-    if version is not None and (version.run or version.step):
-        fields["version"] = f"{version.run}:{version.step}"
-    if deployment:
-        fields["deployment"] = deployment
-    token = _UPDATE.set(fields)
-    try:
-        yield
-    finally:
-        _UPDATE.reset(token)
-
-
 def set_update(update_id: str, version=None, deployment: str = "") -> None:
-    """`update_context` for the rest of the current task (a gRPC handler's, whose end drops it)."""
+    """Every log line of the current task from here on says which update it belongs to (a gRPC
+    handler's task ends with the call, and the fields with it; tasks it starts inherit them)."""
     fields = {"update_id": update_id}
     if version is not None and (version.run or version.step):
         fields["version"] = f"{version.run}:{version.step}"

@@ -16,7 +16,7 @@ from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Pi
 from reshard.common.layout.quantized import fp8_tensors, quantized_source, with_scales
 from reshard.common.layout.values import cast_refusal
 from reshard.common.plan.planner import PlanOptions, make_plan
-from reshard.common.quant import quantize_derived
+from reshard.common.quant import QuantizedBuffers
 
 from .loopback import Loopback
 from .test_fp8_recipe import loop_quantize
@@ -103,7 +103,7 @@ def test_trainer_quantizes_fp8_values_and_scales_cross_the_wire(relay):
     shapes = {n: s.shape for n, s in q.tensors.items()}
     wire, sent, deadline = {}, [0], time.monotonic() + 60
     for r in range(2):
-        bufs = {**sbufs[r], **quantize_derived(q.ranks[r], {b.name: b for b in src.ranks[r]}, sbufs[r])}
+        bufs = QuantizedBuffers(q.ranks[r], {b.name: b for b in src.ranks[r]}, sbufs[r])  # as the worker: lazily
         Engine(Counting(r, wire, sent), plan, "src", r, bufs, shapes, StagingPool(), deadline).run()
     trainer_bytes = sent[0]
     dbufs = [{b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype)) for b in dst.ranks[d]} for d in range(2)]
