@@ -609,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reshard {a.command}: {e}", file=sys.stderr)
             return 2
     if a.command in ("inference", "trainer"):
+        from reshard.common.control.tracing import configure_from_env
+
+        configure_from_env(a.command)  # traces when the OTEL_ environment asks for them
         try:
             check_service_args(a)
         except ValueError as e:

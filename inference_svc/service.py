@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from reshard.common.control import faults
+from reshard.common.control import faults, tracing
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, serve_controller
 from reshard.common.control.logs import set_update
 from reshard.common.control.phases import FINISHING, TERMINAL, Phase
@@ -65,6 +65,8 @@ class _Update:
         self.note = ""  # recorded with the outcome (a rollback the operator allowed)
         self.finish: asyncio.Task | None = None  # verify + commit, run once whoever asks
         self.plan: Plan | None = None
+        self.trace = None  # the trainer's trace context (from BeginUpdate's metadata), when tracing is on
+        self.span = None  # this phase's span in it
 
 
 def _read_epoch(path: str) -> int:
@@ -395,6 +397,10 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.note = f"rollback allowed by the operator: from {_v(served)} to {_v(req.version)}"
                 log.warning("update %s: %s", req.update_id, u.note)
             self.update = u
+            md = context.invocation_metadata() if context is not None else None
+            if tracing.has_context(md) and tracing.enabled():
+                u.trace = md
+                self._trace_phase(u)
             faults.at_phase("inference", Phase.NEGOTIATE.value, workers=self.hub)
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)
@@ -433,11 +439,23 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             self.hub.meter.add("BeginUpdateReply", u.begin_reply)
         return u.begin_reply
 
-    @staticmethod
-    def _enter(u: _Update, phase: Phase) -> None:
+    @classmethod
+    def _enter(cls, u: _Update, phase: Phase) -> None:
         """Into `phase` (the fault hook may strike there)."""
         u.phase = phase
+        cls._trace_phase(u)
         faults.at_phase("inference", phase.value)
+
+    @staticmethod
+    def _trace_phase(u: _Update, error: str = "") -> None:
+        """Traced: the span of the phase `u` is in now (the one before ends), a child of the trainer's
+        update span, and the parent of what workers do in it; none once it ended."""
+        if u.trace is None:
+            return
+        tracing.end(u.span, error)
+        u.span = None if u.phase in TERMINAL else tracing.start(
+            f"inference.{u.phase.value.lower()}", u.trace, {"reshard.role": "inference", "reshard.update_id": u.id})
+        tracing.set_current(u.span)
 
     @classmethod
     def _advance(cls, u: _Update, phase: Phase) -> None:
@@ -513,6 +531,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
             self._record(u.id, None, f"update {_v(u.version)} failed: {e}")
             raise _Failed(str(e)) from None
         u.phase = Phase.DONE
+        self._trace_phase(u)
         self.committed = u.version
         self.torn = set() if u.names is None else self.torn - u.names
         if self.torn:
@@ -565,6 +584,7 @@ class InferenceController(rgrpc.InferenceServiceServicer):
 
     async def _fail(self, u: _Update, error: str) -> None:
         u.phase, u.error = Phase.ABORT, u.error or error
+        self._trace_phase(u, error)
         self.last_error = error
         record = pb.UpdateRecord(version=u.version, ok=False, error=error, method=u.method, seconds=time.monotonic() - u.started,
                                  update_id=u.id)

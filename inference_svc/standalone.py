@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
     configure(os.environ.get("RESHARD_LOG_LEVEL", "INFO"), text_format=f"%(asctime)s inference-worker[{a.rank}] %(levelname)s %(message)s",
               role=f"inference-worker-{a.rank}")
+    from reshard.common.control.tracing import configure_from_env
+
+    configure_from_env("inference-worker")  # traces when the OTEL_ environment asks for them
     if a.deprecated_mode is not None:
         if a.staging not in (None, a.deprecated_mode):
             ap.error(f"--staging {a.staging} and --mode {a.deprecated_mode} (its deprecated name) disagree")

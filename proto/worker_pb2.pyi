@@ -170,7 +170,14 @@ class Serve(_message.Message):
     def __init__(self, allow: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step", "nccl_unique_id", "release", "serve")
+    __slots__ = ("id", "prepare", "verify", "commit", "abort", "read", "step", "nccl_unique_id", "release", "serve", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +188,7 @@ class ControllerMessage(_message.Message):
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     SERVE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     id: int
     prepare: Prepare
     verify: Verify
@@ -191,7 +199,8 @@ class ControllerMessage(_message.Message):
     nccl_unique_id: NcclUniqueId
     release: Release
     serve: Serve
-    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., nccl_unique_id: _Optional[_Union[NcclUniqueId, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ...) -> None: ...
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., prepare: _Optional[_Union[Prepare, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., nccl_unique_id: _Optional[_Union[NcclUniqueId, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., serve: _Optional[_Union[Serve, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Reply(_message.Message):
     __slots__ = ("id", "ok", "error", "seconds", "bytes_total", "nccl_unique_id")

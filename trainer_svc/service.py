@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from reshard.common.control import faults
+from reshard.common.control import faults, tracing
 from reshard.common.control.hub import WorkerConn, WorkerError, WorkerHub, local_host, serve_controller
 from reshard.common.control.logs import set_update
 from reshard.common.control.methods import RESHARD, transfer_methods
@@ -478,13 +478,14 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         if st.progress.update_id == uid and st.progress.phase == Phase.ABORT:
             raise UpdateFailed(f"inference aborted the update: {st.last_error}")
 
-    async def _finish_update(self, d: Deployment, req: pb.FinishUpdateRequest, deadline: float) -> pb.FinishUpdateReply:
+    async def _finish_update(self, d: Deployment, req: pb.FinishUpdateRequest, deadline: float,
+                             span=None) -> pb.FinishUpdateReply:
         """FinishUpdate, retried while the inference controller cannot be reached: it verifies and
         commits once and answers a retry with that outcome."""
         while True:
             left = deadline - time.monotonic()
             try:
-                return await d.stub.FinishUpdate(req, timeout=max(1.0, left + 5))
+                return await d.stub.FinishUpdate(req, timeout=max(1.0, left + 5), metadata=tracing.metadata(span))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > 1.0:
                     log.warning("FinishUpdate on %s: %s; retrying", d.address, status_error(e))
@@ -531,7 +532,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             d.dst = (lr.fingerprint, dst, data)
         return d.dst
 
-    async def _begin_update(self, d: Deployment, req: pb.BeginUpdateRequest, src_bytes: bytes, deadline: float) -> None:
+    async def _begin_update(self, d: Deployment, req: pb.BeginUpdateRequest, src_bytes: bytes, deadline: float,
+                            span=None) -> None:
         """BeginUpdate on the deployment; the source layout's bytes go along only the first time
         (or when its controller, restarted, no longer holds them)."""
         for attempt in range(2):
@@ -541,7 +543,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             req.timeout_s = left
             self.hub.meter.add("BeginUpdateRequest", req)
             try:
-                rep = await d.stub.BeginUpdate(req, timeout=max(left, self.deadlines.rpc_s))  # it may plan, cold
+                rep = await d.stub.BeginUpdate(req, timeout=max(left, self.deadlines.rpc_s),  # it may plan, cold
+                                               metadata=tracing.metadata(span))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND and not req.src_layout:
                     d.src_known = ""
@@ -591,6 +594,8 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         it everywhere (every worker, inference) and drops its data-plane session."""
         u = self._begin_attempt(d, version)
         set_update(u.uid, version, d.address)  # every log line of this update says so (--log-format json)
+        u.span = tracing.start("reshard.update", attributes={"reshard.update_id": u.uid, "reshard.version": _v(version),
+                                                             "reshard.deployment": d.address, "reshard.method": self.method})
         try:
             await self._wait_workers(u.deadline)
             self._enter(u, Phase.NEGOTIATE)
@@ -625,6 +630,10 @@ class TrainerController(rgrpc.TrainerServiceServicer):
                 u.record.transfer_seconds = now - u.entered
         u.phase, u.entered = phase, now
         self.phase = u.d.phase = phase
+        if u.span is not None:  # traced: a span per phase, the parent of what workers do in it
+            tracing.end(u.phase_span)
+            u.phase_span = tracing.start(f"trainer.{phase.value.lower()}", u.span, {"reshard.role": "trainer"})
+            tracing.set_current(u.phase_span)
         faults.at_phase("trainer", phase.value, workers=self.hub)
 
     async def _negotiate(self, u: "_Attempt", patterns: tuple[str, ...]) -> None:
@@ -705,7 +714,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
             update_id=u.uid, version=u.version, plan_digest=u.plan.digest, session=session,
             timeout_s=u.deadline - time.monotonic(), method=self.method, bucket_bytes=self.bucket_bytes, tensors=u.names,
             epoch=d.epoch, allow_rollback=self.allow_rollback, src_fingerprint=u.src_fp)
-        await self._begin_update(d, begin, u.src_bytes, u.deadline)
+        await self._begin_update(d, begin, u.src_bytes, u.deadline, u.span)
         u.began = True
         prep = wpb.Prepare(update_id=u.uid, version=u.version, plan_digest=u.plan.digest, session=session,
                            timeout_s=u.deadline - time.monotonic(), method=self.method, bucket_bytes=self.bucket_bytes,
@@ -724,7 +733,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         req = pb.FinishUpdateRequest(update_id=u.uid, expected=verify.dense(u.plan, values))
         self.hub.meter.add("FinishUpdateRequest", req)
         u.began = False  # from here inference owns the outcome: it commits on every rank or aborts itself
-        return await self._finish_update(u.d, req, u.deadline)
+        return await self._finish_update(u.d, req, u.deadline, u.span)
 
     def _committed(self, u: "_Attempt", rep: pb.FinishUpdateReply) -> pb.UpdateOutcome:
         d, record = u.d, u.record
@@ -741,6 +750,7 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         self.hub.finished(record)
         log.info("update %s committed in %.2fs (%s, %d bytes)", _v(u.version), record.seconds, self.method, rep.bytes)
         self.history.append(record)
+        self._end_trace(u)
         return pb.UpdateOutcome(ok=True, committed=rep.committed, record=record)
 
     async def _failed(self, u: "_Attempt", e: Exception) -> pb.UpdateOutcome:
@@ -760,14 +770,23 @@ class TrainerController(rgrpc.TrainerServiceServicer):
         d.session, d.repair = None, False
         try:
             await d.stub.AbortUpdate(pb.AbortUpdateRequest(update_id=u.uid, reason=msg, version=version),
-                                     timeout=self.deadlines.rpc_s)
+                                     timeout=self.deadlines.rpc_s, metadata=tracing.metadata(u.span))
         except grpc.aio.AioRpcError as e2:
             if u.began:
                 log.warning("abort on inference failed: %s", status_error(e2))
         u.record.ok, u.record.error, u.record.seconds = False, msg, time.monotonic() - u.t0
         self.hub.finished(u.record)
         self.history.append(u.record)
+        self._end_trace(u, msg)
         return pb.UpdateOutcome(ok=False, error=msg, record=u.record)
+
+    @staticmethod
+    def _end_trace(u: "_Attempt", error: str = "") -> None:
+        if u.span is None:
+            return
+        tracing.end(u.phase_span, error)
+        tracing.set_current(None)
+        tracing.end(u.span, error, {"reshard.bytes": u.record.bytes, "reshard.ok": not error})
 
 
 @dataclasses.dataclass(slots=True)
@@ -792,6 +811,8 @@ class _Attempt:
     backend: str = ""
     names: list[str] = dataclasses.field(default_factory=list)
     plan: object = None
+    span: object = None  # the update's trace (None: tracing is off)
+    phase_span: object = None
 
 async def serve(listen: str, workers: int, model: str, inference: list[str], *, seed: int = 0, run: str = "",
                 deadlines: Deadlines | None = None, bucket_bytes: int = 0, layout_fault: str = "",

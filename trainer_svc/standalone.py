@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
 
     configure(os.environ.get("RESHARD_LOG_LEVEL", "INFO"), text_format=f"%(asctime)s trainer-worker[{a.rank}] %(levelname)s %(message)s",
               role=f"trainer-worker-{a.rank}")
+    from reshard.common.control.tracing import configure_from_env
+
+    configure_from_env("trainer-worker")  # traces when the OTEL_ environment asks for them
     torch.set_num_threads(1)
     layout = build(a.model, a.layout or f"framework=megatron,tp={a.world}")
     if layout.world != a.world:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from reshard.common.control import tracing
 from reshard.common.control.rpc import keep_task
 from reshard.common.control.supervisor import CONTROLLER_PID_KEY
 from reshard.common.layout.core import Layout, merge_ranks
@@ -57,6 +58,7 @@ _UNMETERED = ("heartbeat", "piece")  # not part of an update: liveness, and dump
 # dropped when this many wait: its stream is cancelled, the queue emptied, its pending calls fail, and
 # the worker, when it runs again, finds its stream gone and aborts what it had in flight.
 QUEUE_LIMIT = 256
+TRACED = frozenset({"prepare", "verify", "commit", "step", "release"})  # commands a worker traces (tracing.py)
 
 
 class WorkerError(RuntimeError):
@@ -345,6 +347,8 @@ class WorkerHub(wgrpc.WorkerControlServicer):
 
     def _put(self, conn: WorkerConn, msg: wpb.ControllerMessage) -> None:
         kind = msg.WhichOneof("command")
+        if (span := tracing.current()) is not None and kind in TRACED:  # the worker's span is a child of our phase
+            msg.trace.update(tracing.carrier(span))
         if kind != "read":
             self.meter.add(f"controller:{kind}", msg)
         self._queue(conn, msg)

@@ -19,7 +19,7 @@ import time
 import grpc
 import torch
 
-from reshard.common.control import faults
+from reshard.common.control import faults, tracing
 from reshard.common.control.logs import set_update
 from reshard.common.control.methods import RESHARD, transfer_method
 from reshard.common.control.rpc import CHANNEL_OPTIONS, keep_task, new_event_loop, parse_target
@@ -394,6 +394,10 @@ class WorkerBase:
     async def _handle(self, cmd: wpb.ControllerMessage) -> None:
         kind = cmd.WhichOneof("command")
         t0 = time.perf_counter()
+        span = None
+        if cmd.trace:  # traced: this command's span, a child of the controller's phase (a transfer's parent too)
+            span = tracing.start(f"{self.role}-worker.{kind}", cmd.trace, self._span_attributes())
+            tracing.set_current(span)
         try:
             handler = getattr(self, f"_on_{kind}")
             extra = await handler(getattr(cmd, kind), cmd.id)
@@ -401,8 +405,12 @@ class WorkerBase:
         except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
             log.debug("%s worker %d: %s failed", self.role, self.rank, kind, exc_info=True)
             reply = wpb.Reply(id=cmd.id, ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, (LayoutError, TransportError)) else str(e))
+        tracing.end(span, reply.error)
         if kind not in ("abort", "release", "serve"):  # sent without waiting for a reply
             self.emit(wpb.WorkerMessage(reply=reply))
+
+    def _span_attributes(self) -> dict:
+        return {"reshard.role": self.role, "reshard.rank": self.rank}
 
     async def _on_abort(self, a: wpb.Abort, cid: int) -> None:
         self._aborted.add(a.update_id)
@@ -500,6 +508,8 @@ class WorkerBase:
         loop = asyncio.get_running_loop()
         done = wpb.TransferDone(update_id=p.update_id)
         t0 = time.perf_counter()
+        parent = tracing.current()  # the prepare's span, when traced
+        span = tracing.start(f"{self.role}-worker.transfer", parent, self._span_attributes()) if parent is not None else None
         try:
             sums, nbytes, csum_s = await loop.run_in_executor(self._dp, self._measured_transfer, p, plan, src, dst)
             done.ok, done.bytes, done.checksum_seconds = True, nbytes, csum_s
@@ -514,6 +524,7 @@ class WorkerBase:
             done.ok, done.error = False, str(e) if isinstance(e, TransportError) else f"{type(e).__name__}: {e}"
             self.last_error = done.error
         done.seconds = time.perf_counter() - t0
+        tracing.end(span, done.error, {"reshard.bytes": done.bytes})
         self.emit(wpb.WorkerMessage(done=done))
 
     def _transport(self, s: pb.Session, timeout: float, update_id: str = "") -> Transport:
