@@ -5,6 +5,7 @@ then generates with them.
     python examples/vllm_fsdp2.py                 # starts its own reshard controllers
     python examples/vllm_fsdp2.py --json out.json --save-weights DIR
     python examples/vllm_fsdp2.py --server        # a vLLM server (`vllm serve`) instead of an offline LLM
+    python examples/vllm_fsdp2.py --server --trainer-api   # the trainer drives vLLM through vLLM's trainer API
     python examples/vllm_fsdp2.py --model mixtral --expert-parallel   # whole experts per vLLM rank (GPU builds:
                                                   # vLLM's CPU build 0.32 crashes in its fused-MoE kernel under EP)
 
@@ -16,6 +17,10 @@ What the user code does, on each side:
   or a server:   VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{"backend": "reshard"}'
                  POST /init_weight_transfer_engine {"init_info": {"controller": WORKERS}}
                  reshard.integrations.vllm.update_server(URL, step)
+  or vLLM's trainer API (--trainer-api): every trainer rank
+                 engine = WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(rank=rank,
+                     trainer=WORKERS, controller=INFERENCE_WORKERS), client=HTTPVLLMWeightSyncClient(URL),
+                     source=DTensorModuleSource(model, world)); ...; engine.send_weights()
 The reshard controllers are two services (`reshard trainer`, `reshard inference`); this script
 starts them on this host, as a deployment runs them beside the trainer and the server."""
 
@@ -50,8 +55,11 @@ CONFIGS = {
 PROMPTS = [[1, 17, 33, 250, 999, 4], [1, 500, 2, 3], [1] + list(range(100, 140))]
 
 
-def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, vocab: int, steps: int, save: str, go, done) -> None:
-    """One FSDP2 rank: when told to, a training step, then publish; `steps` times."""
+def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, vocab: int, steps: int, save: str, go, done,
+            api: tuple[str, str] | None = None) -> None:
+    """One FSDP2 rank: when told to, a training step, then publish; `steps` times. With `api` (the vLLM
+    server's URL, the inference controller's worker listener), through vLLM's trainer API instead:
+    rank 0 makes the server serve each step itself."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -69,7 +77,21 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, voca
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    worker = TrainerWorker.from_module(workers, model, run="rl").start()
+    if api:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.m2n_source import DTensorModuleSource
+        from vllm.plugins import load_general_plugins
+
+        from reshard.integrations.vllm.trainer import ReshardTrainerInitInfo
+
+        load_general_plugins()  # registers reshard's engines (its vllm.general_plugins entry point)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            ReshardTrainerInitInfo(rank=rank, world=world, trainer=workers, controller=api[1], run="rl",
+                                   engine={"pool_bytes": 1 << 20}),
+            client=HTTPVLLMWeightSyncClient(api[0]), source=DTensorModuleSource(model, world))
+    else:
+        worker = TrainerWorker.from_module(workers, model, run="rl").start()
     gen = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
         go.get()  # the driver's turn: rollouts with the previous version are done
@@ -78,6 +100,15 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, voca
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if api:
+            t0 = time.perf_counter()
+            engine.send_weights()  # every rank; rank 0 drives the server: it serves the step when this returns
+            if rank == 0:
+                done.put((step, float(loss), engine.version, time.perf_counter() - t0))
+            full = full_state(model)
+            if save and rank == 0:
+                torch.save(full, os.path.join(save, f"step{step}.pt"))
+            continue
         handle = worker.publish(step)
         if rank == 0:  # the driver asks vLLM for the step now: a bounded vLLM takes it inside update_weights
             done.put((step, float(loss)))
@@ -86,7 +117,10 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, voca
         full = full_state(model)  # a reference for the checks (a collective); not part of an update
         if save and rank == 0:
             torch.save(full, os.path.join(save, f"step{step}.pt"))
-    worker.stop()
+    if api:
+        engine.shutdown()
+    else:
+        worker.stop()
     dist.destroy_process_group()
 
 
@@ -143,7 +177,7 @@ class Offline:
 class Server:
     """A vLLM server (`vllm serve`), driven over HTTP."""
 
-    def __init__(self, model_dir: str, tp: int, workers: str, log) -> None:
+    def __init__(self, model_dir: str, tp: int, workers: str, log, init: bool = True) -> None:
         self.url, self.model = f"http://127.0.0.1:{free_port()}", model_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
@@ -161,7 +195,8 @@ class Server:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the vLLM server did not start") from None
                 time.sleep(1)
-        self.call("POST", "/init_weight_transfer_engine", {"init_info": {"controller": workers}})
+        if init:  # else the trainer initializes it (vLLM's trainer API)
+            self.call("POST", "/init_weight_transfer_engine", {"init_info": {"controller": workers}})
 
     def call(self, method: str, path: str, body: dict | None = None):
         import urllib.error
@@ -204,6 +239,9 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     ap.add_argument("--model", choices=sorted(CONFIGS), default=default_model)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--server", action="store_true", help="drive a vLLM server over HTTP instead of an offline LLM")
+    ap.add_argument("--trainer-api", action="store_true",
+                    help="with --server: the trainer ranks drive the server through vLLM's trainer API "
+                         "(WeightTransferTrainerFactory.trainer_init, send_weights)")
     ap.add_argument("--expert-parallel", action="store_true", help="vLLM places whole experts on ranks (MoE models)")
     ap.add_argument("--tp", type=int, default=2, help="vLLM's tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline parallel size (offline only)")
@@ -225,28 +263,37 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     world, tp = 2, args.tp
     if args.pp > 1 and args.server:
         ap.error("--pp: the example's server mode runs TP only")
+    if args.trainer_api and not args.server:
+        ap.error("--trainer-api needs --server (the trainer ranks reach the server over HTTP)")
     procs, inf_workers, tr_workers = start_controllers(tmp, tp * args.pp, world)
     ctx = mp.get_context("spawn")
     go, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
     port = free_port()
-    trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, COMMON["vocab_size"], args.steps, args.save_weights, go[r], done))
-                for r in range(world)]
     results = {"updates": []}
-    engine = None
+    engine, trainers = None, []
     try:
+        t0 = time.perf_counter()
+        if args.trainer_api:  # the server first: the trainer ranks initialize its engine
+            engine = Server(tmp, tp, inf_workers, sys.stderr, init=False)
+        api = (engine.url, inf_workers) if args.trainer_api else None
+        trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, COMMON["vocab_size"], args.steps,
+                                                      args.save_weights, go[r], done, api)) for r in range(world)]
         for p in trainers:  # they build their model and attach while vLLM starts; they train when told to
             p.start()
-        t0 = time.perf_counter()
-        engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(tmp, tp, inf_workers, args.expert_parallel, args.pp,
-                                                                                        args.staging, args.staging_device, args.pool_bytes)
+        if engine is None:
+            engine = Server(tmp, tp, inf_workers, sys.stderr) if args.server else Offline(
+                tmp, tp, inf_workers, args.expert_parallel, args.pp, args.staging, args.staging_device, args.pool_bytes)
         results["engine_start_seconds"] = time.perf_counter() - t0
         for _ in range(args.steps):
             for g in go:
                 g.put(True)  # train one step and publish it
-            step, loss = done.get(timeout=600)  # the trainer published it
-            t1 = time.perf_counter()
-            version = engine.update(step)
-            seconds = time.perf_counter() - t1
+            if args.trainer_api:  # the trainer made the server serve it
+                step, loss, version, seconds = done.get(timeout=600)
+            else:
+                step, loss = done.get(timeout=600)  # the trainer published it
+                t1 = time.perf_counter()
+                version = engine.update(step)
+                seconds = time.perf_counter() - t1
             gens = engine.generate(PROMPTS)
             results["updates"].append({"step": step, "version": version, "loss": loss, "seconds": seconds,
                                        "weight_version": engine.weight_version(), "generations": gens})

@@ -17,7 +17,9 @@ from vllm_fsdp2 import CONFIGS, main
 
 
 def megatron_trainer(rank: int, world: int, port: int, workers: str, model_dir: str, vocab: int, steps: int, save: str,
-                     go, done) -> None:
+                     go, done, api=None) -> None:
+    if api:
+        raise SystemExit("examples/vllm_megatron.py: --trainer-api is shown with the FSDP2 trainer (vllm_fsdp2.py)")
     import json
 
     import torch

@@ -17,12 +17,19 @@ BACKEND = "reshard"
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: make `reshard` a weight-transfer backend. vLLM runs
+    """The `vllm.general_plugins` entry point: make `reshard` a weight-transfer backend (the worker
+    side, and the trainer side of vLLM's trainer API). vLLM runs
     plugins more than once in a process tree, and its registry refuses a name twice."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "reshard.integrations.vllm.engine", "ReshardEngine")
+    try:  # the trainer side (vLLM's trainer API: WeightTransferTrainerFactory.trainer_init), where vLLM has it
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        return
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "reshard.integrations.vllm.trainer", "ReshardTrainerEngine")
 
 
 def update(llm: Any, step: int, *, run: str = "", timeout: float = 0.0) -> str:

@@ -52,6 +52,9 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     # Mixtral with --expert-parallel is not here: vLLM's CPU build crashes in its own fused-MoE kernel
     # under expert parallelism (with or without reshard); test_vllm_moe_layout.py checks that layout.
     pytest.param("vllm_fsdp2.py", "llama", ("--server",), marks=pytest.mark.slow, id="fsdp2-llama-server"),  # a vLLM server driven over HTTP
+    # vLLM's trainer API: trainer_init(ReshardTrainerInitInfo, HTTPVLLMWeightSyncClient, DTensorModuleSource) and
+    # send_weights() on every FSDP2 rank; rank 0 drives the server (pause, start / update / finish, prefix-cache reset)
+    pytest.param("vllm_fsdp2.py", "llama", ("--server", "--trainer-api"), marks=pytest.mark.slow, id="fsdp2-llama-trainer-api-http"),
     # staged in host memory: received through a 1 MiB pool into a host copy while vLLM serves, loaded at update_weights
     pytest.param("vllm_fsdp2.py", "llama", ("--staging", "staged", "--pool-bytes", str(1 << 20)), marks=pytest.mark.slow,
                  id="fsdp2-llama-staged-host"),
