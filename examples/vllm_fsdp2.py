@@ -6,6 +6,7 @@ then generates with them.
     python examples/vllm_fsdp2.py --json out.json --save-weights DIR
     python examples/vllm_fsdp2.py --server        # a vLLM server (`vllm serve`) instead of an offline LLM
     python examples/vllm_fsdp2.py --server --trainer-api   # the trainer drives vLLM through vLLM's trainer API
+    python examples/vllm_fsdp2.py --ray --trainer-api      # vLLM in a Ray actor, driven through vLLM's Ray client
     python examples/vllm_fsdp2.py --model mixtral --expert-parallel   # whole experts per vLLM rank (GPU builds:
                                                   # vLLM's CPU build 0.32 crashes in its fused-MoE kernel under EP)
 
@@ -21,6 +22,7 @@ What the user code does, on each side:
                  engine = WeightTransferTrainerFactory.trainer_init(ReshardTrainerInitInfo(rank=rank,
                      trainer=WORKERS, controller=INFERENCE_WORKERS), client=HTTPVLLMWeightSyncClient(URL),
                      source=DTensorModuleSource(model, world)); ...; engine.send_weights()
+                 (with --ray, client=RayVLLMWeightSyncClient(actor) for an LLM in a Ray actor)
 The reshard controllers are two services (`reshard trainer`, `reshard inference`); this script
 starts them on this host, as a deployment runs them beside the trainer and the server."""
 
@@ -56,10 +58,10 @@ PROMPTS = [[1, 17, 33, 250, 999, 4], [1, 500, 2, 3], [1] + list(range(100, 140))
 
 
 def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, vocab: int, steps: int, save: str, go, done,
-            api: tuple[str, str] | None = None) -> None:
-    """One FSDP2 rank: when told to, a training step, then publish; `steps` times. With `api` (the vLLM
-    server's URL, the inference controller's worker listener), through vLLM's trainer API instead:
-    rank 0 makes the server serve each step itself."""
+            api: tuple[str, str, str] | None = None) -> None:
+    """One FSDP2 rank: when told to, a training step, then publish; `steps` times. With `api` (`http`
+    and the vLLM server's URL, or `ray` and the Ray cluster's address; the inference controller's
+    worker listener), through vLLM's trainer API instead: rank 0 makes vLLM serve each step itself."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -79,17 +81,27 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, voca
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if api:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.m2n_source import DTensorModuleSource
         from vllm.plugins import load_general_plugins
 
         from reshard.integrations.vllm.trainer import ReshardTrainerInitInfo
 
         load_general_plugins()  # registers reshard's engines (its vllm.general_plugins entry point)
+        kind, target, inf_workers = api
+        if kind == "http":
+            client = HTTPVLLMWeightSyncClient(target)
+        elif rank == 0:  # only the sender calls the client (reshard's engine never touches it elsewhere)
+            import ray
+
+            ray.init(address=target, namespace=OnRay.NAMESPACE, log_to_driver=False)
+            client = RayVLLMWeightSyncClient(ray.get_actor(OnRay.NAME))
+        else:
+            client = None
         engine = WeightTransferTrainerFactory.trainer_init(
-            ReshardTrainerInitInfo(rank=rank, world=world, trainer=workers, controller=api[1], run="rl",
+            ReshardTrainerInitInfo(rank=rank, world=world, trainer=workers, controller=inf_workers, run="rl",
                                    engine={"pool_bytes": 1 << 20}),
-            client=HTTPVLLMWeightSyncClient(api[0]), source=DTensorModuleSource(model, world))
+            client=client, source=DTensorModuleSource(model, world))
     else:
         worker = TrainerWorker.from_module(workers, model, run="rl").start()
     gen = torch.Generator().manual_seed(1)
@@ -174,6 +186,48 @@ class Offline:
         self.llm.shutdown_weight_transfer_engine()
 
 
+class OnRay:
+    """vLLM's `LLM` in a Ray actor (a Ray instance on this host), as RL frameworks run their engines; the
+    trainer drives it through vLLM's Ray client."""
+
+    NAME, NAMESPACE = "reshard-example-vllm", "reshard-example"
+
+    def __init__(self, model_dir: str, tp: int) -> None:
+        import ray
+        from vllm import LLM, SamplingParams
+
+        ray.init(num_cpus=4, include_dashboard=False, namespace=self.NAMESPACE, log_to_driver=False)
+        self.address = ray.get_runtime_context().gcs_address
+        actor = ray.remote(num_cpus=0)(LLM)
+        self.llm = actor.options(name=self.NAME).remote(
+            model=model_dir, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
+            max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True, distributed_executor_backend="mp",
+            weight_transfer_config={"backend": "reshard"})
+        self.greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
+        ray.get(self.llm.get_weight_version.remote())  # started
+
+    def generate(self, prompts: list[list[int]]) -> list[dict]:
+        import ray
+
+        outs = ray.get(self.llm.generate.remote([{"prompt_token_ids": p} for p in prompts], self.greedy, use_tqdm=False))
+        return [{"tokens": list(o.outputs[0].token_ids),
+                 "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]} for o in outs]
+
+    def weight_version(self) -> str:
+        import ray
+
+        return ray.get(self.llm.get_weight_version.remote())
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.llm.shutdown_weight_transfer_engine.remote())
+        finally:
+            ray.kill(self.llm)
+            ray.shutdown()
+
+
 class Server:
     """A vLLM server (`vllm serve`), driven over HTTP."""
 
@@ -240,8 +294,9 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--server", action="store_true", help="drive a vLLM server over HTTP instead of an offline LLM")
     ap.add_argument("--trainer-api", action="store_true",
-                    help="with --server: the trainer ranks drive the server through vLLM's trainer API "
+                    help="with --server or --ray: the trainer ranks drive vLLM through vLLM's trainer API "
                          "(WeightTransferTrainerFactory.trainer_init, send_weights)")
+    ap.add_argument("--ray", action="store_true", help="vLLM's LLM in a Ray actor (with --trainer-api)")
     ap.add_argument("--expert-parallel", action="store_true", help="vLLM places whole experts on ranks (MoE models)")
     ap.add_argument("--tp", type=int, default=2, help="vLLM's tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline parallel size (offline only)")
@@ -263,8 +318,10 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     world, tp = 2, args.tp
     if args.pp > 1 and args.server:
         ap.error("--pp: the example's server mode runs TP only")
-    if args.trainer_api and not args.server:
-        ap.error("--trainer-api needs --server (the trainer ranks reach the server over HTTP)")
+    if args.trainer_api and not (args.server or args.ray):
+        ap.error("--trainer-api needs --server or --ray (the trainer ranks reach vLLM over HTTP or through Ray)")
+    if args.ray and (args.server or not args.trainer_api):
+        ap.error("--ray runs vLLM's LLM in a Ray actor driven through vLLM's trainer API: with --trainer-api, without --server")
     procs, inf_workers, tr_workers = start_controllers(tmp, tp * args.pp, world)
     ctx = mp.get_context("spawn")
     go, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
@@ -273,9 +330,13 @@ def main(trainer=trainer, default_model: str = "llama", doc: str = __doc__) -> N
     engine, trainers = None, []
     try:
         t0 = time.perf_counter()
-        if args.trainer_api:  # the server first: the trainer ranks initialize its engine
+        api = None
+        if args.ray:  # vLLM first: the trainer ranks initialize its engine
+            engine = OnRay(tmp, tp)
+            api = ("ray", engine.address, inf_workers)
+        elif args.trainer_api:
             engine = Server(tmp, tp, inf_workers, sys.stderr, init=False)
-        api = (engine.url, inf_workers) if args.trainer_api else None
+            api = ("http", engine.url, inf_workers)
         trainers = [ctx.Process(target=trainer, args=(r, world, port, tr_workers, tmp, COMMON["vocab_size"], args.steps,
                                                       args.save_weights, go[r], done, api)) for r in range(world)]
         for p in trainers:  # they build their model and attach while vLLM starts; they train when told to

@@ -55,6 +55,8 @@ def hf_reference(config: dict, weights: dict, prompts: list, n: int) -> list[tup
     # vLLM's trainer API: trainer_init(ReshardTrainerInitInfo, HTTPVLLMWeightSyncClient, DTensorModuleSource) and
     # send_weights() on every FSDP2 rank; rank 0 drives the server (pause, start / update / finish, prefix-cache reset)
     pytest.param("vllm_fsdp2.py", "llama", ("--server", "--trainer-api"), marks=pytest.mark.slow, id="fsdp2-llama-trainer-api-http"),
+    # the same through vLLM's Ray client: vLLM's LLM in a Ray actor (a Ray instance on this host)
+    pytest.param("vllm_fsdp2.py", "llama", ("--ray", "--trainer-api"), marks=pytest.mark.slow, id="fsdp2-llama-trainer-api-ray"),
     # staged in host memory: received through a 1 MiB pool into a host copy while vLLM serves, loaded at update_weights
     pytest.param("vllm_fsdp2.py", "llama", ("--staging", "staged", "--pool-bytes", str(1 << 20)), marks=pytest.mark.slow,
                  id="fsdp2-llama-staged-host"),
