@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--trainer-workers", type=int, default=2)
     p.add_argument("--inference-workers", type=int, default=4)
+    from reshard.tools.rl_loop import add_arguments as rl_arguments
+
+    rl_arguments(p)
 
     from reshard.tools.bench import add_parser as bench_parser
     from reshard.certs import add_parser as certs_parser

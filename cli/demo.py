@@ -40,6 +40,10 @@ def _status(flag: str, addr: str) -> dict:
 
 
 def run_demo(a) -> int:
+    if getattr(a, "rl", False):
+        from reshard.tools.rl_loop import run
+
+        return run(a)
     if getattr(a, "engine", "reshard") == "vllm":
         from reshard.tools.vllm_scene import run
 

@@ -65,11 +65,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def gather_broadcast(model, rank: int, store: str, tp: int, groups: dict) -> None:
+    """The baseline's trainer side, on every FSDP2 rank: each full tensor gathered (a collective),
+    rank 0 packs them in buckets and broadcasts them to the `tp` vLLM workers (two in flight), over
+    a gloo group rendezvoused at `store` (made once, kept in `groups`)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0 and store not in groups:
+        host, p = store.rsplit(":", 1)
+        s = dist.TCPStore(host, int(p), is_master=True, timeout=datetime.timedelta(seconds=120))
+        groups[store] = dist.ProcessGroupGloo(dist.PrefixStore("gather-load", s), 0, 1 + tp, datetime.timedelta(seconds=600))
+    params = list(model.named_parameters())
+    plan = buckets([list(p.shape) for _, p in params], 4, BUCKET_BYTES)
+    inflight = []
+    for members, size in plan:
+        flat = torch.empty(size, dtype=torch.uint8) if rank == 0 else None
+        at = 0
+        for k in members:
+            full = params[k][1].full_tensor()  # a collective: every rank takes part
+            if rank == 0:
+                n = full.numel() * full.element_size()
+                flat[at:at + n].copy_(full.reshape(-1).view(torch.uint8))
+                at += n
+        if rank == 0:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            inflight.append(groups[store].broadcast([flat], opts))
+            if len(inflight) > 1:  # two buckets in flight, as vLLM's packed broadcast keeps
+                inflight.pop(0).wait()
+    for w in inflight:
+        w.wait()
+
+
 def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, cmds, replies) -> None:
     """One FSDP2 rank, driven by the demo: train, publish (reshard), gather-load (the baseline),
     reference (greedy tokens of a plain HF model holding the full weights, on rank 0)."""
-    import datetime
-
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -108,31 +141,7 @@ def trainer(rank: int, world: int, port: int, workers: str, model_dir: str, cmds
             replies.put((rank, ok))
         elif cmd == "gather_load":  # every rank gathers; rank 0 packs and broadcasts to the vLLM workers
             store, tp = arg
-            if rank == 0 and store not in groups:
-                host, p = store.rsplit(":", 1)
-                s = dist.TCPStore(host, int(p), is_master=True, timeout=datetime.timedelta(seconds=120))
-                groups[store] = dist.ProcessGroupGloo(dist.PrefixStore("gather-load", s), 0, 1 + tp,
-                                                      datetime.timedelta(seconds=600))
-            params = list(model.named_parameters())
-            plan = buckets([list(p.shape) for _, p in params], 4, BUCKET_BYTES)
-            inflight = []
-            for members, size in plan:
-                flat = torch.empty(size, dtype=torch.uint8) if rank == 0 else None
-                at = 0
-                for k in members:
-                    full = params[k][1].full_tensor()  # a collective: every rank takes part
-                    if rank == 0:
-                        n = full.numel() * full.element_size()
-                        flat[at:at + n].copy_(full.reshape(-1).view(torch.uint8))
-                        at += n
-                if rank == 0:
-                    opts = dist.BroadcastOptions()
-                    opts.rootRank = 0
-                    inflight.append(groups[store].broadcast([flat], opts))
-                    if len(inflight) > 1:  # two buckets in flight, as vLLM's packed broadcast keeps
-                        inflight.pop(0).wait()
-            for w in inflight:
-                w.wait()
+            gather_broadcast(model, rank, store, tp, groups)
             replies.put((rank, True))
         elif cmd == "reference":
             full = full_state(model)
