@@ -197,3 +197,42 @@ def test_ray_actors_update_and_a_killed_actor_fails_only_its_update(cluster):
     while [p for p in pids if _alive(p)]:
         assert time.monotonic() - t0 < 20, f"processes left: {[p for p in pids if _alive(p)]}"
         time.sleep(0.2)
+
+
+def test_ray_controllers_off_loopback_need_and_use_credentials(cluster, tmp_path):
+    """With `credentials` (a `reshard certs` folder) the controllers listen on the node's address,
+    serving TLS and accepting its tokens; the ranks' actors attach with the worker token and the CA,
+    and an update commits. A plaintext call to the controller is refused."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from reshard.integrations.ray import RayDeployment
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.proto import reshard_pb2_grpc as rgrpc
+
+    ip = ray.util.get_node_ip_address()
+    certs = tmp_path / "certs"
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "certs", "--out", str(certs), "--host", ip],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    dep = RayDeployment.start(trainer_workers=WORLD, inference_workers=WORLD, run="ray", credentials=str(certs),
+                              name="secured")
+    assert dep.trainer.startswith(f"{ip}:") and dep.trainer_workers.startswith(f"{ip}:")
+    assert set(dep.worker_credentials()) == {"token", "tls_ca"}
+    trainers = [ray.remote(TrainerRank).options(num_cpus=0).remote(dep, r) for r in range(WORLD)]
+    engines = [ray.remote(InferenceRank).options(num_cpus=0).remote(dep, r) for r in range(WORLD)]
+    try:
+        assert all(ray.get([a.connected.remote(60) for a in trainers + engines]))
+        out = ray.get([a.publish.remote(1) for a in trainers])
+        assert all(ok for ok, _, _ in out), out
+        for step, bad in ray.get([a.check.remote(1) for a in engines]):
+            assert step == 1 and bad == [], bad
+        with grpc.insecure_channel(dep.trainer) as ch:  # no TLS, no token: refused
+            with pytest.raises(grpc.RpcError):
+                rgrpc.TrainerServiceStub(ch).GetStatus(pb.StatusRequest(), timeout=5)
+    finally:
+        for a in trainers + engines:
+            ray.kill(a, no_restart=True)
+        dep.shutdown()

@@ -5,6 +5,7 @@ servers, on a loop of their own) so that one in-memory exporter sees every span;
 the embedding API's, moving real bytes over gloo."""
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -66,6 +67,28 @@ def _controllers(inf, tr, inf_w, tr_w, stop: list) -> threading.Thread:
     return t
 
 
+@contextlib.contextmanager
+def _deployment(dst):
+    """Both controllers in this process and 2 inference workers of `dst`; yields the trainer's worker
+    listener and the list of workers to stop at the end (add the trainer's)."""
+    inf, tr, inf_w, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
+    stop: list = []
+    thread = _controllers(inf, tr, inf_w, tr_w, stop)
+    workers = []
+    try:
+        for r in range(2):
+            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
+            workers.append(InferenceWorker(inf_w, r, 2, dst.tensors, bufs).start())
+        yield tr_w, workers
+    finally:
+        for w in workers:
+            w.stop()
+        if stop:
+            loop, ev = stop[0]
+            loop.call_soon_threadsafe(ev.set)
+        thread.join(30)
+
+
 def _fill(layout, rank, tensors, full):
     for desc in layout.ranks[rank]:
         for p in desc.pieces:
@@ -75,15 +98,8 @@ def _fill(layout, rank, tensors, full):
 def test_each_update_is_one_trace_with_both_controllers_and_every_worker(exporter):
     exporter.clear()
     cfg = model_config("tiny")
-    inf, tr, inf_w, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
     src, dst = megatron_layout(cfg, 2), vllm_layout(cfg, 2)
-    stop: list = []
-    thread = _controllers(inf, tr, inf_w, tr_w, stop)
-    workers = []
-    try:
-        for r in range(2):
-            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
-            workers.append(InferenceWorker(inf_w, r, 2, dst.tensors, bufs).start())
+    with _deployment(dst) as (tr_w, workers):
         trainers = []
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
@@ -102,13 +118,6 @@ def test_each_update_is_one_trace_with_both_controllers_and_every_worker(exporte
         while sum(s.name == "inference-worker.commit" for s in exporter.get_finished_spans()) < 4:
             assert time.monotonic() - t0 < 10, "the workers' commit spans never ended"
             time.sleep(0.05)
-    finally:
-        for w in workers:
-            w.stop()
-        if stop:
-            loop, ev = stop[0]
-            loop.call_soon_threadsafe(ev.set)
-        thread.join(30)
 
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.name == "reshard.update"]
@@ -155,22 +164,14 @@ def test_a_failed_update_ends_its_trace_as_an_error(exporter):
     plans) is one trace too, its root and the phase it failed in marked as errors naming the cause."""
     exporter.clear()
     cfg = model_config("tiny")
-    inf, tr, inf_w, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
     dst = vllm_layout(cfg, 2)
     bad = next(n for n in dst.tensors if n.endswith("q_proj.weight"))
     spec = dst.tensors[bad]
     src_tensors = dict(dst.tensors)
     src_tensors[bad] = type(spec)(bad, (spec.shape[0] + 8, spec.shape[1]), spec.dtype)
-    src = megatron_layout(cfg, 2)
     from reshard.common.layout.core import Box, LocalBuffer, Piece
 
-    stop: list = []
-    thread = _controllers(inf, tr, inf_w, tr_w, stop)
-    workers = []
-    try:
-        for r in range(2):
-            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
-            workers.append(InferenceWorker(inf_w, r, 2, dst.tensors, bufs).start())
+    with _deployment(dst) as (tr_w, workers):
         for r in range(2):  # rank 0 holds every tensor whole, rank 1 nothing
             bufs = {} if r else {n: (LocalBuffer(n, t.shape, t.dtype, (Piece(n, Box.full(t.shape), Box.full(t.shape)),)),
                                      torch.zeros(t.shape, dtype=torch.bfloat16)) for n, t in src_tensors.items()}
@@ -180,14 +181,6 @@ def test_a_failed_update_ends_its_trace_as_an_error(exporter):
         handles = [w.publish(1) for w in workers[2:]]
         for h in handles:
             assert h.wait_outcome(60) is False and bad in h.error
-    finally:
-        for w in workers:
-            w.stop()
-        if stop:
-            loop, ev = stop[0]
-            loop.call_soon_threadsafe(ev.set)
-        thread.join(30)
-    del src
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.name == "reshard.update"]
     assert len(roots) == 1
