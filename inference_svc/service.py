@@ -397,10 +397,11 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                 u.note = f"rollback allowed by the operator: from {_v(served)} to {_v(req.version)}"
                 log.warning("update %s: %s", req.update_id, u.note)
             self.update = u
-            md = context.invocation_metadata() if context is not None else None
-            if tracing.has_context(md) and tracing.enabled():
-                u.trace = md
-                self._trace_phase(u)
+            if tracing.enabled():  # the trainer's trace context, from the call's metadata
+                md = context.invocation_metadata() if hasattr(context, "invocation_metadata") else None
+                if tracing.has_context(md):
+                    u.trace = md
+                    self._trace_phase(u)
             faults.at_phase("inference", Phase.NEGOTIATE.value, workers=self.hub)
             try:
                 await self.hub.wait_complete(self.deadlines.rpc_s)

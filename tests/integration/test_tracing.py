@@ -71,8 +71,11 @@ def _controllers(inf, tr, inf_w, tr_w, stop: list) -> threading.Thread:
 def _deployment(dst):
     """Both controllers in this process and 2 inference workers of `dst`; yields the trainer's worker
     listener and the list of workers to stop at the end (add the trainer's)."""
+    from reshard.common.control.security import set_client_roles
+
     inf, tr, inf_w, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
     stop: list = []
+    roles = set_client_roles(None)  # a controller sets this process's client roles: given back at the end
     thread = _controllers(inf, tr, inf_w, tr_w, stop)
     workers = []
     try:
@@ -87,6 +90,7 @@ def _deployment(dst):
             loop, ev = stop[0]
             loop.call_soon_threadsafe(ev.set)
         thread.join(30)
+        set_client_roles(roles)
 
 
 def _fill(layout, rank, tensors, full):
