@@ -21,8 +21,9 @@ is committed on every vLLM rank and loaded) / finish with the weight version `ru
 reset of the prefix cache (its KV blocks were computed with the old weights). A vLLM server is
 paused around it (`/pause`, `/resume`), as for `update_server`.
 
-A failure anywhere (a rank, a deadline, a refused layout) raises on every trainer rank, and vLLM
-keeps serving the version it served."""
+A failed update (a rank gone on either side, a deadline, a refused layout) raises on every trainer
+rank, with the reason, and vLLM keeps serving the version it served. A failure inside vLLM after
+the update committed (its own load) raises on the sender only: the other ranks learnt the commit."""
 
 from __future__ import annotations
 
@@ -119,8 +120,13 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
         security = Security.from_env(**({"ca": init_info.tls_ca} if init_info.tls_ca else {}))
         if init_info.token:
             security = dataclasses.replace(security, tokens=(("worker", init_info.token),))
+        world = init_info.world
+        if not world:
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         worker = TrainerWorker.from_module(init_info.trainer, module, names=init_info.names, rank=init_info.rank,
-                                           world=init_info.world or None, run=init_info.run, security=security).start()
+                                           world=world, run=init_info.run, security=security).start()
         if not worker.wait_connected(init_info.connect_timeout):
             err = worker.last_error
             worker.stop()
