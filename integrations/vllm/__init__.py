@@ -14,6 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 BACKEND = "reshard"
+TORN = "reshard: torn"
+"""In the error of an `update_weights` that leaves a rank's model mixing versions (bounded staging:
+modules loaded before the update failed). `update`, `update_server` and the trainer engine then label
+vLLM's weight version TORN_VERSION (a server also stays paused) until an update succeeds."""
+TORN_VERSION = "torn"
 
 
 def register() -> None:
@@ -40,19 +45,32 @@ def update(llm: Any, step: int, *, run: str = "", timeout: float = 0.0) -> str:
     version from this caller, and its API gives no way to read back the run the ranks loaded
     (pass the trainer's `--run`, which also makes the ranks refuse another run's step). Raises (and vLLM keeps
     serving what it served) if the step is not committed within the timeout, or was superseded
-    by a newer one before vLLM asked for it."""
+    by a newer one before vLLM asked for it. A failed bounded update that loaded some modules
+    leaves the model torn (the error says `reshard: torn`): the weight version is then `torn`, so
+    every output generated until a full update commits says so."""
     if step < 0:
         raise ValueError(f"step must be >= 0, not {step}")
     llm.start_weight_update()
     try:
         llm.update_weights({"update_info": {"step": step, "run": run, "timeout": timeout, "exact": True}})
-    except BaseException:
-        llm.finish_weight_update()  # ends the update; every rank kept (or got back) what it served
+    except BaseException as e:
+        _end_failed(llm.finish_weight_update)
+        if TORN in str(e):
+            llm.update_weight_version(TORN_VERSION)
         raise
     version = f"{run}:{step}" if run else str(step)
     llm.finish_weight_update(weight_version=version)
     llm.reset_prefix_cache()
     return version
+
+
+def _end_failed(finish) -> None:
+    """vLLM's finish after a failed update_weights: older vLLMs keep the update open until it; 0.32
+    closes it itself and refuses the call (which must not hide the update's own error)."""
+    try:
+        finish()
+    except Exception:  # noqa: BLE001 - the update's error is the one raised
+        pass
 
 
 def update_server(base_url: str, step: int, *, run: str = "", timeout: float = 0.0, api_key: str = "",
@@ -61,7 +79,8 @@ def update_server(base_url: str, step: int, *, run: str = "", timeout: float = 0
     started with VLLM_SERVER_DEV_MODE=1, which serves vLLM's weight-transfer routes): pause
     generation (in-flight requests finish with the weights they started with, and the caches are
     cleared), start / update / finish, resume. Returns the weight version now served: `run:step`,
-    or `step` when `run` is left empty (as for `update`)."""
+    or `step` when `run` is left empty (as for `update`). A failed bounded update that left the
+    model torn keeps the server paused, its weight version `torn`, until an update succeeds."""
     import json
     import urllib.error
     import urllib.request
@@ -81,14 +100,21 @@ def update_server(base_url: str, step: int, *, run: str = "", timeout: float = 0
 
     version = f"{run}:{step}" if run else str(step)
     post("/pause?mode=wait")
+    held = False
     try:
         post("/start_weight_update")
         try:
             post("/update_weights", {"update_info": {"step": step, "run": run, "timeout": timeout, "exact": True}})
-        except BaseException:
-            post("/finish_weight_update", {})
+        except BaseException as e:
+            _end_failed(lambda: post("/finish_weight_update", {}))
+            if TORN in str(e):
+                post("/update_weight_version", {"new_version": TORN_VERSION})
+                held = True
+                raise RuntimeError(f"{e}\nThe server stays paused (its weight version `{TORN_VERSION}`) until an update "
+                                   "succeeds: call update_server again (it resumes then)") from None
             raise
         post("/finish_weight_update", {"weight_version": version})
     finally:
-        post("/resume")
+        if not held:
+            post("/resume")
     return version

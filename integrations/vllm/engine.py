@@ -35,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from reshard.common.control.security import Security
 from reshard.inference_svc.worker import InferenceWorker
+from reshard.integrations.vllm import TORN  # in the error of an update that leaves the model mixing versions
 from reshard.integrations.vllm.layout import QUANTIZE, RankLayout, rank_layout
 
 log = logging.getLogger("vllm.reshard")  # under vLLM's logger: its handlers and level apply
@@ -196,6 +197,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         self.loaded: tuple[str, int] | None = None  # (run, step) loaded into the model
         self.info: ReshardInitInfo | None = None
         self.host: dict[str, torch.Tensor] | None = None  # staged in host memory: the copy vLLM loads from
+        self._loaded_now = 0  # bounded: modules loaded by the update in flight (a failure leaves them torn)
 
     # -- vLLM's calls ------------------------------------------------------------------
     def init_transfer_engine(self, info: ReshardInitInfo) -> None:
@@ -255,6 +257,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         timeout = info.timeout or self.info.timeout
         run = info.run or self.info.run or None
         t_wait = time.perf_counter()
+        self._loaded_now = 0
         self._update_called.set()  # bounded: the transfer may load into the model from now on
         try:
             version = w.wait_for_version(max(info.step, 0), run, timeout)
@@ -264,17 +267,19 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         failed = w.failure(max(info.step, 0), run) if version is None else None
         if failed is not None:
             raise RuntimeError(f"vLLM rank {self.rank}: the update carrying step {info.step} failed on the reshard "
-                               f"deployment: {failed}; vLLM keeps serving what it served")
+                               f"deployment: {failed}; {self._after_failure()}")
         if version is None:
             held = w.version
             raise TimeoutError(
                 f"vLLM rank {self.rank}: step {info.step}{f' of run {run}' if run else ''} was not committed here "
                 f"within {timeout:.0f}s (this rank holds {f'{held.run}:{held.step}' if held else 'no version'}"
                 f"{'' if w.serving_ok else ', torn by a failed in-place transfer'}"
-                f"{f'; last error: {w.last_error}' if w.last_error else ''}); vLLM keeps serving what it served")
+                f"{f'; last error: {w.last_error}' if w.last_error else ''}); {self._after_failure()}")
         with w.serving() as v:  # a commit of a newer version waits until the copy is done
             if v is None:
-                raise RuntimeError(f"vLLM rank {self.rank}: the reshard deployment holds this rank (not serving)")
+                raise RuntimeError(f"vLLM rank {self.rank}: the reshard deployment holds this rank (not serving)"
+                                   + (f"; {TORN}: a failed bounded update left modules of the model at another version "
+                                      "than the rest until a full update commits" if self.info.staging == "bounded" else ""))
             if info.exact and v.step != info.step:
                 raise RuntimeError(f"vLLM rank {self.rank}: step {info.step} was superseded by step {v.step} before "
                                    f"vLLM asked for it; ask for step {v.step} (or -1: the newest)")
@@ -289,6 +294,14 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
 
     def finish_weight_update(self) -> None:
         pass
+
+    def _after_failure(self) -> str:
+        """What a failed update leaves vLLM serving, said in its error."""
+        n = self._loaded_now
+        if self.info.staging == "bounded" and n:
+            return (f"{TORN}: {n} module(s) of this rank were loaded at the new version before it failed and the rest "
+                    "hold the old one; generate nothing from this model until a full update commits")
+        return "vLLM keeps serving what it served"
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -358,6 +371,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         """Bounded: load a complete group of buffers (the modules that hold them) into the model."""
         mods = list(dict.fromkeys(t.module for t in self.layout.targets if t.buffer in tensors))
         self._touched_moe += self._load_modules(mods, tensors)
+        self._loaded_now += len(mods)
 
     def _end_reload(self) -> None:
         """Bounded, at commit or abort: vLLM's reload is finished (modules not loaded get their

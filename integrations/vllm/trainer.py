@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from reshard.common.control.security import Security
+from reshard.integrations.vllm import TORN, TORN_VERSION
 from reshard.trainer_svc.worker import TrainerWorker
 
 log = logging.getLogger("reshard.vllm.trainer")
@@ -170,9 +171,16 @@ class ReshardTrainerEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
             c.start_weight_update()
             try:
                 c.update_weights({"step": step, "run": self.info.run, "timeout": self.info.timeout, "exact": True})
-            except Exception as e:  # noqa: BLE001 - vLLM ended the update (every rank kept what it served)
+            except Exception as e:  # noqa: BLE001 - vLLM ended the update
                 handle.wait_outcome(min(30.0, self.info.timeout))  # the reshard side's reason, when it has one
-                return handle.error or f"vLLM's update_weights failed: {e}"
+                why = handle.error or f"vLLM's update_weights failed: {e}"
+                if TORN not in str(e):
+                    return why + "; vLLM serves what it served"
+                _set_version(c, TORN_VERSION)  # every output says so until a full update commits
+                paused = False  # a server stays paused: generation held until an update succeeds
+                return (f"{why}; {TORN}: a bounded vLLM rank loaded some modules before the update failed: its "
+                        f"weight version is `{TORN_VERSION}`{', and the server stays paused' if _http(c) else ''} "
+                        "until an update succeeds")
             if handle.wait_outcome(self.info.timeout) and handle.delivered.run:
                 version = f"{handle.delivered.run}:{handle.delivered.step}"
             else:
@@ -206,6 +214,18 @@ def _pause(client) -> bool:
 
 def _resume(client) -> None:
     _http(client)._post("resume")
+
+
+def _set_version(client, version: str) -> None:
+    """Label the weights vLLM serves (what each output reports) without an update."""
+    if (h := _http(client)) is not None:
+        h._post("update_weight_version", {"new_version": version})
+    elif type(client).__name__ == "RayVLLMWeightSyncClient":
+        import ray
+
+        ray.get([a.update_weight_version.remote(version) for a in client.handles])
+    elif callable(fn := getattr(client, "update_weight_version", None)):
+        fn(version)
 
 
 def reset_prefix_cache(client) -> bool:
@@ -253,6 +273,9 @@ class LLMClient:
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def update_weight_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()

@@ -235,3 +235,17 @@ def test_deployment_rank_from_vllms_own_parallel_config(monkeypatch, launch):
                 pc.rank = tp
             got.append(deployment_rank(pc))
     assert sorted(got) == [(r, 4) for r in range(4)], got
+
+
+@vllm_engines
+def test_a_failed_bounded_update_labels_vllm_torn_until_a_full_update(tmp_path):
+    """Bounded staging loads each module as it arrives: when trainer rank 1 is killed after its first
+    round of step 2, modules already hold step 2 and the rest step 1. `update` says so (`reshard:
+    torn`, with the count, not vLLM's finish error hiding it), vLLM's weight version becomes `torn`, so
+    every output generated from then on says so, and the deployment holds the ranks (NOT_SERVING)."""
+    res, _ = drive(tmp_path, "torn")
+    assert res["first"] == "rl:1" and res["fired"]
+    assert "a trainer worker died" in res["error"] and "reshard: torn:" in res["error"], res["error"]
+    assert "module(s) of this rank were loaded at the new version" in res["error"]
+    assert res["weight_version"] == "torn" and res["output_versions"] == ["torn"]
+    assert res["status"]["serving_state"] == "NOT_SERVING", res["status"]

@@ -13,6 +13,7 @@ it holds; a layout shifted by one layer (and, for experts, by one expert) must d
     python vllm_topology.py dp OUT         # 2 data-parallel replicas by an external launcher, one process each
                                            # (Llama): tokens after each update, for the test to compare with HF
     python vllm_topology.py duplicate OUT  # two single-rank vLLMs claim the one rank of a deployment
+    python vllm_topology.py torn OUT       # a bounded update fails midway (a trainer rank killed): vLLM labelled torn
 
 Each writes OUT/result.json."""
 
@@ -507,10 +508,48 @@ def run_duplicate(out: str) -> dict:
     return res
 
 
+def run_torn(out: str) -> dict:
+    """Offline LLM, TP 2, bounded staging through a 1 MiB pool. Step 1 commits; in step 2 trainer rank 1
+    is killed after its first round of bytes, once modules have been loaded into vLLM's model."""
+    from vllm import LLM, SamplingParams
+
+    from reshard.integrations.vllm import update
+
+    model_dir = write_model(out, "llama")
+    ctl = Controllers(out, ranks=2, world=2)
+    control = os.path.join(out, "fault")
+    os.environ["RESHARD_FAULT_AT"] = f"@{control}"  # read by the trainer ranks (spawned next) at each hook
+    tr = Trainers(out, ctl, model_dir, steps=2)
+    res = {}
+    try:
+        llm = LLM(model=model_dir, tensor_parallel_size=2, **ENGINE_ARGS)
+        llm.init_weight_transfer_engine({"init_info": {"controller": ctl.inf_workers, "pool_bytes": 1 << 20}})
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False)
+        res["first"] = update(llm, tr.step(), run="rl")
+        with open(control + ".tmp", "w") as f:
+            f.write("trainer-worker:TRANSFER:kill:1")
+        os.replace(control + ".tmp", control)
+        step = tr.step()
+        try:
+            update(llm, step, run="rl")
+            res["error"] = ""
+        except Exception as e:  # noqa: BLE001 - what the caller is told
+            res["error"] = str(e)
+        res["fired"] = os.path.exists(control + ".fired")
+        res["weight_version"] = llm.get_weight_version()
+        outs = llm.generate([{"prompt_token_ids": [1, 5, 9]}], greedy, use_tqdm=False)
+        res["output_versions"] = [s.version for s in (outs[0].outputs[0].weight_versions or [])]
+        res["status"] = ctl.status()
+    finally:
+        tr.close()
+        ctl.close()
+    return res
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], os.path.abspath(sys.argv[2])
     os.makedirs(out, exist_ok=True)
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, EXAMPLES, *filter(None, [os.environ.get("PYTHONPATH")])])
-    result = {"pp": run_pp, "dp-ep": run_dp_ep, "dp": run_dp, "duplicate": run_duplicate}[mode](out)
+    result = {"pp": run_pp, "dp-ep": run_dp_ep, "dp": run_dp, "duplicate": run_duplicate, "torn": run_torn}[mode](out)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
