@@ -192,6 +192,13 @@ class RayDeployment:
             host = "127.0.0.1"
         addr = [f"{host}:{p}" for p in ports]
         base = {"env": env, "update_timeout": update_timeout, "worker_timeout": worker_timeout, "model": model}
+        for role in ("trainer", "inference"):
+            try:
+                ray.get_actor(f"{name}-{role}", namespace=namespace)
+            except ValueError:
+                continue
+            raise ValueError(f"a reshard deployment named {name!r} already runs ({name}-{role}): "
+                             "RayDeployment.connect(name) finds it; shutdown() stops it")
         Actor = ray.remote(num_cpus=0, max_restarts=max_restarts, max_task_retries=0, max_concurrency=4)(_Controller)
         opts = dict(namespace=namespace, scheduling_strategy=on_node, lifetime="detached" if detached else None)
         inf = Actor.options(name=f"{name}-inference", **opts).remote(
