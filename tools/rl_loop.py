@@ -224,11 +224,17 @@ def run(a) -> int:
         res["baseline_sync_s"] = _baseline(ray, llm, trainers, a.baseline_steps, a.steps + 1, tp, log)
         res["baseline_sync_s_median"] = statistics.median(res["baseline_sync_s"]) if res["baseline_sync_s"] else None
         res["wall_s"] = time.perf_counter() - t_start
-    finally:  # each step of the teardown runs whatever the one before did (an actor may be dead already)
-        for step in ([lambda: ray.get([t.close.remote() for t in trainers], timeout=60)] if trainers else []) + \
-                [lambda: llm is not None and ray.kill(llm), lambda: dep is not None and dep.shutdown()]:
+    finally:  # every part of the teardown runs, whatever the one before did (an actor may be dead already)
+        cleanups = []
+        if trainers:
+            cleanups.append(lambda: ray.get([t.close.remote() for t in trainers], timeout=60))
+        if llm is not None:
+            cleanups.append(lambda: ray.kill(llm))
+        if dep is not None:
+            cleanups.append(dep.shutdown)
+        for cleanup in cleanups:
             try:
-                step()
+                cleanup()
             except Exception as e:  # noqa: BLE001 - the loop's own error, if any, is the one raised
                 print(f"teardown: {e}", file=log, flush=True)
         ray.shutdown()
