@@ -142,6 +142,8 @@ def test_ray_actors_update_and_a_killed_actor_fails_only_its_update(cluster):
     dep = RayDeployment.start(trainer_workers=WORLD, inference_workers=WORLD, run="ray", worker_timeout=5.0)
     assert dep.trainer.startswith("127.0.0.1:")  # one host: loopback, no credentials needed
     assert RayDeployment.connect() == dep  # found by name from any process of the job
+    with pytest.raises(ValueError, match="already runs"):  # one deployment per name
+        RayDeployment.start(trainer_workers=WORLD, inference_workers=WORLD)
     pids = set(dep.pids().values())
     on = {r: {"resources": {f"node{r}": 1}, "num_cpus": 0} for r in (0, 1)}
     # Trainer ranks on node1, engine ranks on node0.
