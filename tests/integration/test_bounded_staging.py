@@ -29,6 +29,7 @@ def _holds(c: Cluster, step: int) -> None:
         assert version["step"] == step and torch.equal(got, c.expected(name, step)), f"{name} is not step {step}"
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 def test_bounded_updates_load_through_a_fixed_pool():
     c = Cluster("small", inference_workers=4, bucket_bytes=BUCKET, inference_staging="bounded",
                 inference_args=("--pool-bytes", str(POOL)))

@@ -64,6 +64,7 @@ class Services:
         stop_processes(self.procs)
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 def test_a_publish_during_a_transfer_never_tears_the_snapshot_it_reads():
     """Item 1: with snapshot=True, publish(k+1) right after publish(k), while step k is still being
     sent, must not overwrite the bytes in flight: every version inference commits holds exactly that
@@ -530,6 +531,7 @@ def test_the_controller_takes_the_staging_its_workers_report():
         svc.close()
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 def test_an_inference_worker_killed_mid_transfer_is_named_as_the_cause():
     """Item 21: after an inference worker dies mid-transfer, the update's error named only the
     trainer's raw data-plane error; it must name the dead rank."""

@@ -40,6 +40,7 @@ def value(samples: dict, name: str, **labels) -> float:
     return sum(got)
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 def test_metrics_after_two_committed_updates_and_one_refused():
     mi, mt = free_port(), free_port()
     c = Cluster("tiny", inference_workers=2, trainer_workers=2,

@@ -219,6 +219,7 @@ def test_demo_json_small():
     assert out["fixed_cost_s"] == sorted(f["seconds"] for f in fixed)[1]
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 def test_serialized_baseline_delivers_the_same(cluster):
     """The baseline is a transfer method a tool plugs in, chosen when trainer_svc starts (no knob
     in the gRPC API): a trainer_svc of the same run started with it continues the run and

@@ -172,6 +172,7 @@ def _status(addr: str) -> pb.Status | None:
         return None
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 @pytest.mark.integration
 def test_restarted_controller_adopts_the_workers_left_running(tmp_path):
     """Re-run with its command line, a killed controller takes back the workers its predecessor left

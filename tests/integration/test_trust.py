@@ -60,6 +60,7 @@ def wait_status(addr: str, side: str, pred, timeout: float = 90, what: str = "")
     raise AssertionError(f"timed out waiting for {what}: {last}")
 
 
+@pytest.mark.slow  # quick suite under 300 s on 2 cores (CI runs it with the slow ones)
 def test_trainer_may_write_only_after_every_deployment_has_the_version(tmp_path):
     """An embedded trainer feeding two deployments overwrites its weights the moment wait() returns:
     both deployments must still commit exactly the published step (no torn weights). The workers
