@@ -17,17 +17,33 @@ import torch
 from reshard.common.layout.quantized import BLOCK as FP8_BLOCK
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # an all-zero block gets this amax (its scale is not 0)
+# A float dtype's integer twin, and the mask that clears its sign bit
+_MAGNITUDE_BITS = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.float32: (torch.int32, 0x7FFFFFFF)}
+
+
+# On an accelerator, as many rows of blocks at a time as fit in this much float32 scratch (a
+# CPU core goes one row of blocks at a time, to stay in cache; a GPU wants few, large kernels)
+DEVICE_SCRATCH_BYTES = 64 << 20
 
 
 def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float8_e4m3fn in x's shape, scales float32 [ceil(rows / block[0]), ceil(cols / block[1])]).
 
-    One row of blocks at a time, through a scratch row that stays in cache (4x faster on a CPU
-    core than the whole tensor at once), with the same arithmetic element by element."""
+    On a CPU, one row of blocks at a time, through a scratch row that stays in cache (4x faster on
+    a core than the whole tensor at once); on an accelerator, as many rows of blocks as fit in
+    DEVICE_SCRATCH_BYTES. The arithmetic is the same element by element."""
     if x.dim() != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights, not a tensor of shape {list(x.shape)}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"block FP8 quantizes floating-point weights, not {x.dtype}")
+    gm, wide = -(-x.shape[0] // block[0]), -(-x.shape[1] // block[1]) * block[1]
+    step = 1 if x.device.type == "cpu" else DEVICE_SCRATCH_BYTES // (block[0] * wide * 4)
+    return _quantize(x, block, max(1, min(gm, step)))
+
+
+def _quantize(x: torch.Tensor, block: tuple[int, int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_block_quantize, `step` rows of blocks at a time (a partial last row of blocks alone)."""
     m, n = x.shape
     bm, bn = block
     gm, gn = -(-m // bm), -(-n // bn)
@@ -35,23 +51,36 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     scales = torch.empty((gm, gn), dtype=torch.float32, device=x.device)
     wide = gn * bn
     # A partial column block, or rows that are not contiguous (a column shard's view): copied into a
-    # zero-padded row first (zeros do not change a block's amax)
-    padded = x.new_zeros((bm, wide)) if n % bn or (m > 1 and x.stride(0) != n) or x.stride(-1) != 1 else None
+    # zero-padded scratch first (zeros do not change a block's amax)
+    copy_in = n % bn or (m > 1 and x.stride(0) != n) or x.stride(-1) != 1
+    padded = x.new_zeros((step * bm, wide)) if copy_in else None
     # x * (1 / scale) in float32 (at least), as vLLM's quantizer
-    scratch = torch.empty((bm, wide), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-    for i in range(gm):
+    scratch = torch.empty((step * bm, wide), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    bits, sign = _MAGNITUDE_BITS.get(x.dtype, (None, 0))
+    i = 0
+    while i < gm:
         r0 = i * bm
-        h = min(bm, m - r0)
+        k = min(step, (m - r0) // bm) or 1  # whole rows of blocks, or the partial last one
+        h = min(k * bm, m - r0)
         rows = x[r0:r0 + h]
         if padded is not None:
             padded[:h, :n].copy_(rows)
             rows = padded[:h]
-        blocks = rows.view(h, gn, bn)
-        # |x| and its max are exact in x's own dtype; a partial row block counts its rows alone
-        scale = blocks.abs().amax(dim=(0, 2)).float().clamp_(min=AMAX_FLOOR) / FP8_MAX
-        scales[i] = scale
-        torch.mul(blocks, (1.0 / scale).view(1, gn, 1), out=scratch[:h].view(h, gn, bn))
+        blocks = rows.reshape(k, h // k, gn, bn)
+        # max |x| per block, exact in x's own dtype; a partial row block counts its rows alone
+        if bits is None:
+            amax = blocks.abs().amax(dim=(1, 3))
+        else:
+            # The bits of |x| (sign bit cleared) order as integers as |x| orders as a float (NaN
+            # above infinity, as amax propagates it), and integer ops are 3x faster on a CPU core
+            amax = torch.bitwise_and(blocks.view(bits), sign).amax(dim=(1, 3)).view(x.dtype)
+        scale = amax.float().clamp_(min=AMAX_FLOOR) / FP8_MAX
+        scales[i:i + k] = scale
+        out = scratch[:h].view(k, h // k, gn, bn)
+        out.copy_(blocks)
+        out.mul_((1.0 / scale).view(k, 1, gn, 1))
         values[r0:r0 + h].copy_(scratch[:h, :n])
+        i += k
     return values, scales
 
 

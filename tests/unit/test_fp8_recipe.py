@@ -62,3 +62,18 @@ def test_fp8_block_refuses_what_it_cannot_quantize():
         fp8_block_quantize(torch.zeros(4))
     with pytest.raises(ValueError, match="floating-point"):
         fp8_block_quantize(torch.zeros(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("step", [2, 3, 100])
+def test_fp8_block_recipe_many_rows_of_blocks_at_a_time_as_on_a_gpu(dtype, step):
+    """An accelerator quantizes several rows of blocks per kernel (common/quant.py); run on a CPU
+    here, that path must give the block-by-block loop's bytes too, column-shard views included."""
+    from reshard.common.quant import _quantize
+
+    x = weights(dtype if dtype != torch.float16 else torch.float32, rows=700).to(dtype)
+    for view in (x, x[:, 3:]):
+        q, s = _quantize(view, (128, 128), step)
+        rq, rs = loop_quantize(view)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(s, rs)
