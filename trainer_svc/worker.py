@@ -159,18 +159,21 @@ class TrainerWorker(WorkerBase):
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.snapshot if self.snapshot is not None else self.live
 
-    def with_derived(self, src, buffers):
+    def with_derived(self, src, buffers, plan):
         """A destination that serves block FP8 gets values and scales quantized here, from the weights
         this rank holds, piece by piece (common/layout/quantized.py), as the transfer first reads them
-        (common/quant.py): made for each transfer, dropped after."""
+        (common/quant.py): made for each transfer, dropped after. Where pieces of several ranks split
+        a row of blocks, their partial maxima are exchanged first (the prelude)."""
+        from reshard.common.layout.quantized import amax_exchange, split_rows
         from reshard.common.quant import QuantizedBuffers
 
-        q = QuantizedBuffers(src.ranks[self.rank], self.descs, buffers)
+        split = amax_exchange(src, self.rank, plan.moved_tensors()) if split_rows(src) else None
+        q = QuantizedBuffers(src.ranks[self.rank], self.descs, buffers, split)
         if not q.pending:
-            return buffers, self.shapes
+            return buffers, self.shapes, None
         shapes = dict(self.shapes)
         shapes.update((n, t.shape) for n, t in src.tensors.items() if n not in shapes)
-        return q, shapes
+        return q, shapes, (q.exchange if split else None)
 
     def _run_transfer(self, p, plan, src, dst):
         """With a snapshot: send it only if it holds the update's version, and keep it from being

@@ -489,9 +489,10 @@ class WorkerBase:
     def transfer_buffers(self) -> dict[str, torch.Tensor]:
         return self.live
 
-    def with_derived(self, src: Layout, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """(buffers, canonical shapes) of this update: a sender adds the buffers it derives (block FP8)."""
-        return buffers, self.shapes
+    def with_derived(self, src: Layout, buffers: dict[str, torch.Tensor], plan: Plan):
+        """(buffers, canonical shapes, what runs before the first byte or None) of this update: a
+        sender adds the buffers it derives (block FP8)."""
+        return buffers, self.shapes, None
 
     def after_round(self, rnd: int) -> None:
         """On the data-plane thread, after this rank's `rnd`-th round of bytes landed (a subclass's hook)."""
@@ -586,7 +587,7 @@ class WorkerBase:
         self._update_session = {p.update_id: p.session.id}
         t_connect = time.monotonic()
         transport = self._transport(p.session, p.timeout_s, p.update_id)
-        buffers, shapes = self.with_derived(src, self.transfer_buffers())
+        buffers, shapes, prelude = self.with_derived(src, self.transfer_buffers(), plan)
 
         def connected() -> None:  # the CONNECT phase ends on the controller when every rank said so
             self.emit(wpb.WorkerMessage(progress=wpb.Progress(update_id=p.update_id, connected=True,
@@ -629,7 +630,7 @@ class WorkerBase:
         # through the engine; CUDA IPC and hybrid sessions their own way).
         return transport.run_update(RankUpdate(p.update_id, plan, self.side, self.rank, buffers, shapes, dst,
                                                self._pool, deadline, connected=connected, progress=progress, hook=hook,
-                                               sums_as_landed=self.sums_as_landed()))
+                                               sums_as_landed=self.sums_as_landed(), prelude=prelude))
 
     def prepared(self, update_id: str) -> tuple[Plan, Layout]:
         """The plan and destination layout of the update this rank prepared last."""

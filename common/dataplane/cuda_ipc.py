@@ -258,6 +258,9 @@ class IpcTransport(Transport):
         """This rank's share of an update, by no message: a source puts its buffers' handles in the
         store, sums what its destinations will read and waits until they are done; a destination
         maps its sources' buffers, copies its pieces and sums what landed."""
+        if u.prelude is not None:
+            raise TransportError(f"the {self.name} transport moves no message between trainer ranks: trainer shards "
+                                 "that split rows of FP8 blocks need gloo or nccl (or shards on block boundaries)")
         update_id, plan, side, rank, buffers, shapes = u.update_id, u.plan, u.side, u.rank, u.buffers, u.shapes
         u.connected()  # every rank on this GPU: nothing to connect beyond the store
         if side == "src":

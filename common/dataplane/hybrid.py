@@ -178,6 +178,9 @@ class HybridTransport(Transport):
     def run_update(self, u: RankUpdate) -> tuple[dict, int, float]:
         """This rank's share of an update: a guest publishes its buffers' handles and waits for its host to
         write its pieces; a host runs its own share and its guests' in one engine (see the module doc)."""
+        if u.prelude is not None:
+            raise TransportError(f"the {self.name} transport moves no message between trainer ranks: trainer shards "
+                                 "that split rows of FP8 blocks need gloo or nccl (or shards on block boundaries)")
         me, where = self.rank, self.placement.describe
         update_id, plan, rank, buffers, shapes = u.update_id, u.plan, u.rank, u.buffers, u.shapes
         if self.host != me:  # a guest: its GPU's host writes its pieces

@@ -39,6 +39,9 @@ class RankUpdate:
     progress: Callable[[int, int], None] | None = None  # (bytes done, bytes total) of this rank's share
     hook: Callable[[int], None] | None = None  # after each round of bytes (fault injection, aborts)
     sums_as_landed: bool = True  # a destination sums what lands as it lands (bounded staging sums per buffer itself)
+    # Run with the transport and the deadline once the session is connected, before the first byte
+    # (trainer ranks sharing rows of FP8 blocks exchange their partial maxima: common/quant.py)
+    prelude: Callable[[Transport, float], None] | None = None
 
     def engine(self, transport: Transport, **extra) -> Engine:
         """The engine that runs this rank's share over `transport` by messages (`extra`: a hybrid

@@ -125,6 +125,8 @@ class Transport(abc.ABC):
         # the joining, so that the first round moves bytes only. A session reused connects only new pairs.
         self.warm_up(*engine.peers(), max(0.0, u.deadline - time.monotonic()))
         u.connected()
+        if u.prelude is not None:
+            u.prelude(self, u.deadline)
         sums = engine.run()
         return sums, engine.bytes_done, engine.checksum_seconds
 

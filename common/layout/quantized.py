@@ -10,17 +10,22 @@ piece's index in the buffer), which the trainer worker fills at each transfer by
 piece (`common/quant.py`, the engine's recipe). The FP8 bytes and their scales cross the wire:
 about half of bf16, a quarter of fp32.
 
-A block's scale depends on every element of the block, so a piece is quantized on a trainer rank
-only where it is made of whole blocks: its box starts on a block boundary in both dimensions
-and ends on one or at the tensor's edge. Megatron's row and column shards and whole experts
-are; an FSDP2 shard whose row count is not a multiple of 128 is not, and such a layout is
-refused with the tensor and the rank named (the destination can take bf16 instead and quantize
-where its blocks are whole: the vLLM backend's `quantize="receiver"`).
+A block's scale depends on every element of the block. A piece made of whole blocks (Megatron's
+row and column shards, whole experts) is quantized on its own. A piece whose rows start or end
+inside a row of blocks (an FSDP2 Shard(0) whose row count is not a multiple of 128) holds part of
+that row: the trainer ranks holding parts of one row of blocks exchange their partial max |x| per
+block (`split_rows`, `amax_peers`: a few floats per block, before the first byte of the update),
+and each quantizes its rows with the whole block's scale. Every element then comes out as if its
+block had been quantized whole, and a row of blocks' scales travel from the piece holding its
+first row. Columns must still start on a block boundary and end on one or at the tensor's edge
+(a column shard that splits blocks is refused by name; the destination can take bf16 instead and
+quantize where its blocks are whole: the vLLM backend's `quantize="receiver"`).
 
 Torch-free (the controllers plan without it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from reshard.common.layout.core import Box, Layout, LayoutError, LocalBuffer, Piece, TensorSpec
@@ -66,6 +71,80 @@ def scale_buffer(buf: LocalBuffer, name: str, shape: tuple[int, int] | None = No
 def aligned(box: Box, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
     """Whether a box of a tensor of `shape` is made of whole blocks."""
     return all(o % b == 0 and (e % b == 0 or e == s) for o, e, s, b in zip(box.offset, box.end, shape, block))
+
+
+def columns_aligned(box: Box, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
+    """Whether a box of a 2-D tensor starts on a column block boundary and ends on one or at the edge."""
+    o, e = box.offset[1], box.end[1]
+    return o % block[1] == 0 and (e % block[1] == 0 or e == shape[1])
+
+
+def owned_scales(box: Box, block: tuple[int, int] = BLOCK) -> Box:
+    """The scales a trainer piece sends: its column blocks, in the rows of blocks whose first row it
+    holds (every row of blocks has one such piece, whoever holds the rest of it)."""
+    lo, hi = -(-box.offset[0] // block[0]), -(-box.end[0] // block[0])
+    c0, c1 = box.offset[1] // block[1], -(-box.end[1] // block[1])
+    return Box((lo, c0), (max(0, hi - lo), c1 - c0))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRow:
+    """A row of blocks of a block-FP8 tensor that trainer pieces of several rank classes hold parts
+    of: their ranks exchange partial max |x| per block before quantizing it."""
+
+    tensor: str
+    row: int  # the row of blocks
+    rows: int  # the tensor's rows
+    width: int  # column blocks of the tensor: the length of a partial max vector
+    classes: tuple[int, ...]  # the source rank classes holding some of its rows
+
+
+def split_rows(layout: Layout, block: tuple[int, int] = BLOCK) -> tuple[SplitRow, ...]:
+    """Every row of blocks of a quantized source layout (`quantized_source`) that a piece's rows
+    start or end inside of (not at the tensor's edge), with every class holding rows in it (one
+    class, where it holds the parts in several pieces).
+    Computed once per layout, sorted by (tensor, row)."""
+    memo = layout._memo
+    if "fp8_split_rows" not in memo:
+        held: dict[str, list[tuple[int, Box]]] = {}
+        for c in range(len(layout.ranks.classes)):
+            for b in layout.ranks.cls(c):
+                name, marker, i = b.name.rpartition(DERIVED[0])
+                if marker and i.isdigit():
+                    held.setdefault(b.pieces[0].tensor, []).append((c, b.pieces[0].box))
+        out = []
+        for t, pieces in sorted(held.items()):
+            m, n = layout.tensors[t].shape
+            split = sorted({o // block[0] for box in (p for _, p in pieces)
+                            for o in (box.offset[0], box.end[0]) if o % block[0] and 0 < o < m})
+            for k in split:
+                lo, hi = k * block[0], min(m, (k + 1) * block[0])
+                classes = tuple(sorted({c for c, box in pieces if box.offset[0] < hi and box.end[0] > lo}))
+                out.append(SplitRow(t, k, m, -(-n // block[1]), classes))
+        memo["fp8_split_rows"] = tuple(out)
+    return memo["fp8_split_rows"]
+
+
+def amax_exchange(layout: Layout, rank: int, tensors: set[str] | None = None
+                  ) -> tuple[tuple[SplitRow, ...], dict[int, list[SplitRow]]] | None:
+    """What `rank` of a quantized source layout does before quantizing (`tensors`: an update's,
+    default all): (the split rows it holds part of, source rank -> the rows it exchanges partial
+    max |x| for with it: every rank of another class holding part of one of them; both sides list
+    the same rows in the same order). None where it holds no part of a split row."""
+    mine = layout.ranks.rank_class[rank]
+    rows = tuple(r for r in split_rows(layout) if mine in r.classes and (tensors is None or r.tensor in tensors))
+    if not rows:
+        return None
+    members: dict[int, list[int]] = {}
+    for r, c in enumerate(layout.ranks.rank_class):
+        members.setdefault(c, []).append(r)
+    peers: dict[int, list[SplitRow]] = {}
+    for row in rows:
+        for c in row.classes:
+            if c != mine:
+                for r in members[c]:
+                    peers.setdefault(r, []).append(row)
+    return rows, peers
 
 
 def fp8_tensors(src: Layout, dst: Layout) -> dict[str, str]:
@@ -123,18 +202,20 @@ def _class_buffers(bufs: tuple[LocalBuffer, ...], quant: dict[str, str], tensors
                 keep.append(p)
                 continue
             shape = tensors[p.tensor].shape
-            if not aligned(p.box, shape):
+            if not columns_aligned(p.box, shape):
                 raise LayoutError(
                     f"tensor {p.tensor!r}: the destination serves it as block FP8 ({BLOCK[0]} x {BLOCK[1]}), and "
-                    f"trainer rank {rank} holds its box {p.box}{' (a flat range)' if p.flat else ''}, which splits "
-                    "blocks: the trainer quantizes only whole blocks. Shard it on block boundaries, or let the "
-                    "destination quantize (the vLLM backend's quantize='receiver': bf16 on the wire)")
+                    f"trainer rank {rank} holds its box {p.box}{' (a flat range)' if p.flat else ''}, whose columns "
+                    "split blocks: the trainer quantizes rows of blocks that its ranks hold across their whole "
+                    "width. Shard its columns on block boundaries, or let the destination quantize (the vLLM "
+                    "backend's quantize='receiver': bf16 on the wire)")
             padding += p.buffer_boxes(buf.shape)
             full = Box.full(p.box.size)
-            sbox = scale_box(p.box)
             derived.append(LocalBuffer(f"{buf.name}{DERIVED[0]}{i}", p.box.size, FP8, (Piece(p.tensor, full, p.box),)))
-            derived.append(LocalBuffer(f"{buf.name}{DERIVED[1]}{i}", sbox.size, "float32",
-                                       (Piece(quant[p.tensor], Box.full(sbox.size), sbox),)))
+            sbox = owned_scales(p.box)
+            if sbox.numel:  # a piece inside one row of blocks, not its first row, sends no scale
+                derived.append(LocalBuffer(f"{buf.name}{DERIVED[1]}{i}", sbox.size, "float32",
+                                           (Piece(quant[p.tensor], Box.full(sbox.size), sbox),)))
         if len(keep) == len(buf.pieces):
             out.append(buf)
         elif keep:

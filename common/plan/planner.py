@@ -350,6 +350,10 @@ class Plan:
         """Segment rows carried by messages (a relay's segments count once per link)."""
         return int((self._m["hi"] - self._m["lo"]).sum())
 
+    def moved_tensors(self) -> set[str]:
+        """The canonical tensors some message carries part of (an update's tensors)."""
+        return {self._tensor_names[t] for t in np.unique(self._g["tensor"]) if t >= 0}
+
     # -- figures ---------------------------------------------------------------------------
     @property
     def total_bytes(self) -> int:

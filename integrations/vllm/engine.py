@@ -86,7 +86,8 @@ class ReshardInitInfo(WeightTransferInitInfo):
     """The training run whose versions this deployment takes; empty: the trainer's."""
     quantize: str = "sender"
     """Block-FP8 layers: `sender` (the trainer ranks quantize, FP8 values and their scales on the wire;
-    their shards must be made of whole 128 x 128 blocks) or `receiver` (the weights arrive in the
+    their column shards must start and end on 128-column block boundaries; row shards that end
+    inside a block have the trainer ranks exchange partial block maxima first) or `receiver` (the weights arrive in the
     layer's unquantized dtype and this rank quantizes them when it loads, whatever the trainer's shards)."""
     mode: str = ""
     """Deprecated: the earlier name of `staging` (still taken, with a warning)."""

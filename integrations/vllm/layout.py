@@ -40,7 +40,8 @@ copies them into the layer. With `quantize="receiver"` the weight is received un
 dtype the layer was built for (`orig_dtype`: what the trainer's weights are cast to), and the
 backend quantizes each whole block on the rank when it loads (`common/quant.py`, vLLM's own
 recipe), writing the values and their scales; `weight_scale_inv` is no buffer then
-(`RankLayout.derived`): for a trainer whose shards split blocks. Either way a rank's shard must
+(`RankLayout.derived`): for a trainer whose column shards split blocks (row shards that do are
+quantized on the sender, the trainer ranks exchanging partial block maxima first). Either way a rank's shard must
 be made of whole blocks (vLLM refuses other splits; so does this). vLLM's
 online quantization (`quantization="fp8"` over a bf16 checkpoint) records the checkpoint's
 bf16 weights for its reload, so its layers read like unquantized ones and vLLM quantizes them

@@ -4,12 +4,9 @@ the controllers and the worker protocol. Both controllers run in this process (t
 servers, on a loop of their own) so that one in-memory exporter sees every span; the workers are
 the embedding API's, moving real bytes over gloo."""
 
-import asyncio
-import contextlib
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -17,11 +14,11 @@ import torch
 
 from reshard.common.control import tracing
 from reshard.common.models.presets import megatron_layout, model_config, vllm_layout
-from reshard.inference_svc.worker import InferenceWorker
 from reshard.tools.synth import tensor_value
 from reshard.trainer_svc.worker import TrainerWorker
 
 from .cluster import free_port
+from .inprocess import deployment
 
 otel_sdk = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry import trace  # noqa: E402
@@ -44,55 +41,6 @@ def exporter():
     exp.shutdown()
 
 
-def _controllers(inf, tr, inf_w, tr_w, stop: list) -> threading.Thread:
-    """Both controllers, external workers, on one event loop in a thread (until stop[0] is set)."""
-    from reshard.inference_svc.service import serve as serve_inference
-    from reshard.trainer_svc.service import serve as serve_trainer
-
-    ready = threading.Event()
-
-    def run() -> None:
-        async def main() -> None:
-            ev = asyncio.Event()
-            stop.append((asyncio.get_running_loop(), ev))
-            ready.set()
-            await asyncio.gather(
-                serve_inference(inf, 2, "tiny", stop=ev, spawn_workers=False, worker_listen=inf_w),
-                serve_trainer(tr, 2, "tiny", [inf], run="traced", stop=ev, spawn_workers=False, worker_listen=tr_w))
-        asyncio.run(main())
-
-    t = threading.Thread(target=run, name="controllers", daemon=True)
-    t.start()
-    assert ready.wait(30)
-    return t
-
-
-@contextlib.contextmanager
-def _deployment(dst):
-    """Both controllers in this process and 2 inference workers of `dst`; yields the trainer's worker
-    listener and the list of workers to stop at the end (add the trainer's)."""
-    from reshard.common.control.security import set_client_roles
-
-    inf, tr, inf_w, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
-    stop: list = []
-    roles = set_client_roles(None)  # a controller sets this process's client roles: given back at the end
-    thread = _controllers(inf, tr, inf_w, tr_w, stop)
-    workers = []
-    try:
-        for r in range(2):
-            bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in dst.ranks[r]}
-            workers.append(InferenceWorker(inf_w, r, 2, dst.tensors, bufs).start())
-        yield tr_w, workers
-    finally:
-        for w in workers:
-            w.stop()
-        if stop:
-            loop, ev = stop[0]
-            loop.call_soon_threadsafe(ev.set)
-        thread.join(30)
-        set_client_roles(roles)
-
-
 def _fill(layout, rank, tensors, full):
     for desc in layout.ranks[rank]:
         for p in desc.pieces:
@@ -103,7 +51,7 @@ def test_each_update_is_one_trace_with_both_controllers_and_every_worker(exporte
     exporter.clear()
     cfg = model_config("tiny")
     src, dst = megatron_layout(cfg, 2), vllm_layout(cfg, 2)
-    with _deployment(dst) as (tr_w, workers):
+    with deployment(dst) as (tr_w, workers):
         trainers = []
         for r in range(2):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=torch.bfloat16)) for d in src.ranks[r]}
@@ -175,7 +123,7 @@ def test_a_failed_update_ends_its_trace_as_an_error(exporter):
     src_tensors[bad] = type(spec)(bad, (spec.shape[0] + 8, spec.shape[1]), spec.dtype)
     from reshard.common.layout.core import Box, LocalBuffer, Piece
 
-    with _deployment(dst) as (tr_w, workers):
+    with deployment(dst) as (tr_w, workers):
         for r in range(2):  # rank 0 holds every tensor whole, rank 1 nothing
             bufs = {} if r else {n: (LocalBuffer(n, t.shape, t.dtype, (Piece(n, Box.full(t.shape), Box.full(t.shape)),)),
                                      torch.zeros(t.shape, dtype=torch.bfloat16)) for n, t in src_tensors.items()}

@@ -131,12 +131,120 @@ def test_trainer_quantizes_fp8_values_and_scales_cross_the_wire(relay):
     assert trainer_bytes < 0.3 * 4 * (384 * 200 + 200 * 384), "the fp32 masters would be four bytes an element"
 
 
-def test_a_trainer_shard_that_splits_blocks_is_refused_by_name():
-    src, _ = trainer(split_up=192)  # rows 0-191 and 192-383: block rows 1 is split between the ranks
-    with pytest.raises(LayoutError, match=r"tensor 'up.weight': the destination serves it as block FP8 \(128 x 128\), "
-                                          r"and trainer rank 0 holds its box \[0:192, 0:200\] \(a flat range\), which "
-                                          r"splits blocks.*quantize='receiver'"):
-        quantized_source(src, engine_fp8())
+def test_a_trainer_shard_whose_columns_split_blocks_is_refused_by_name():
+    src, _ = trainer()
+    r1 = list(src.ranks[1])
+    down = r1[1]  # columns 256-383 -> 192-383: its first column block is split with rank 0's
+    r1[1] = LocalBuffer("down", (200, 192), "float32", (Piece("down.weight", Box((0, 0), (200, 192)), Box((0, 192), (200, 192))),))
+    assert down.name == "down"
+    bad = Layout(src.tensors, (src.ranks[0], tuple(r1)))
+    with pytest.raises(LayoutError, match=r"tensor 'down.weight': the destination serves it as block FP8 \(128 x 128\), "
+                                          r"and trainer rank 1 holds its box \[0:200, 192:384\], whose columns split "
+                                          r"blocks.*quantize='receiver'"):
+        quantized_source(bad, engine_fp8())
+
+
+# FSDP2-like: each weight's rows cut where the ranks' shares end, not on block boundaries. Rank 1's
+# share of up lies inside one row of blocks (it sends no scale); rank 3 holds its rows of up in two
+# buffers, the cut between them inside a row of blocks too.
+ROW_CUTS = {"up.weight": ((0, 100), (100, 120), (120, 250), (250, 300), (300, 384)),
+            "down.weight": ((0, 67), (67, 134), (134, 200))}
+HOLDER = {"up.weight": (0, 1, 2, 3, 3), "down.weight": (0, 1, 2)}
+
+
+def fsdp_trainer() -> tuple[Layout, list[dict[str, torch.Tensor]]]:
+    m = masters()
+    specs = {n: TensorSpec(n, s, "float32") for n, s in SHAPES.items()}
+    ranks, bufs = [[] for _ in range(4)], [{} for _ in range(4)]
+    for t, cuts in ROW_CUTS.items():
+        cols = SHAPES[t][1]
+        for j, ((a, b), r) in enumerate(zip(cuts, HOLDER[t])):
+            name = f"{t.split('.')[0]}{j}"
+            ranks[r].append(LocalBuffer(name, (b - a, cols), "float32",
+                                        (Piece(t, Box((0, 0), (b - a, cols)), Box((a, 0), (b - a, cols))),)))
+            bufs[r][name] = m[t][a:b].clone()
+    for r in range(4):
+        ranks[r].append(LocalBuffer("norm", (200,), "float32", (Piece("norm", Box((0,), (200,)), Box((0,), (200,))),)))
+        bufs[r]["norm"] = m["norm"].clone()
+    return Layout(specs, tuple(tuple(x) for x in ranks)), bufs
+
+
+class Waiting(Loopback):
+    """Loopback whose receive waits for its message (the ranks' exchange runs in threads)."""
+
+    def recv(self, buf, peer, tag):
+        until = time.monotonic() + 10
+        while (peer, self.rank, tag) not in self.wire:
+            assert time.monotonic() < until, f"rank {self.rank}: nothing from rank {peer} (tag {tag})"
+            time.sleep(0.001)
+        return super().recv(buf, peer, tag)
+
+
+def _fsdp_transfer(exchange: bool) -> tuple[list[dict[str, torch.Tensor]], Layout, object]:
+    import threading
+
+    from reshard.common.layout.quantized import amax_exchange
+
+    src, sbufs = fsdp_trainer()
+    dst = engine_fp8()
+    q = quantized_source(src, dst)
+    plan = make_plan(q, dst, PlanOptions(direct_min_bytes=1))
+    shapes = {n: s.shape for n, s in q.tensors.items()}
+    wire, deadline = {}, time.monotonic() + 60
+    held = []
+    for r in range(4):
+        split = amax_exchange(q, r, plan.moved_tensors())
+        if not exchange and split:
+            split = (split[0], {})  # each rank's own part of every split row only: the negative control
+        held.append(QuantizedBuffers(q.ranks[r], {b.name: b for b in src.ranks[r]}, sbufs[r], split))
+    threads = [threading.Thread(target=held[r].exchange, args=(Waiting(r, wire), deadline)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in range(4):
+        Engine(Loopback(r, wire), plan, "src", r, held[r], shapes, StagingPool(), deadline).run()
+    dbufs = [{b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype)) for b in dst.ranks[d]} for d in range(2)]
+    for d in range(2):
+        Engine(Loopback(4 + d, wire), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline).run()
+    assert not wire
+    return dbufs, q, plan
+
+
+def test_fp8_blocks_split_by_trainer_shards_come_out_as_if_quantized_whole():
+    from reshard.common.layout.quantized import amax_exchange, split_rows
+
+    dbufs, q, plan = _fsdp_transfer(exchange=True)
+    # up: rows of blocks 0 (cut at 100 and 120) and 1 (250); 2 (300: rank 3's own two buffers);
+    # down: 0 (67), 1 (134)
+    assert [(r.tensor, r.row, r.classes) for r in split_rows(q)] == [
+        ("down.weight", 0, (0, 1)), ("down.weight", 1, (1, 2)),
+        ("up.weight", 0, (0, 1, 2)), ("up.weight", 1, (2, 3)), ("up.weight", 2, (3,))]
+    rows, peers = amax_exchange(q, 3, plan.moved_tensors())
+    assert [(r.tensor, r.row) for r in rows] == [("up.weight", 1), ("up.weight", 2)] and list(peers) == [2]
+    assert not any(b.name == "up1#scale:0" for b in q.ranks[1]), "a share inside one row of blocks sends no scale"
+    m = masters()
+    (uq, us), (dq, ds) = loop_quantize(m["up.weight"]), loop_quantize(m["down.weight"])
+    u8 = torch.uint8
+    for d, (u0, ur, d0, dc) in enumerate(((0, 128, 0, 256), (128, 256, 256, 128))):
+        got = dbufs[d]
+        assert torch.equal(got["up"].view(u8), uq[u0:u0 + ur].view(u8)), f"rank {d} up"
+        assert torch.equal(got["up_s"], us[u0 // 128:-(-(u0 + ur) // 128)]), f"rank {d} up scales"
+        assert torch.equal(got["down"].view(u8), dq[:, d0:d0 + dc].view(u8)), f"rank {d} down"
+        assert torch.equal(got["down_s"], ds[:, d0 // 128:-(-(d0 + dc) // 128)]), f"rank {d} down scales"
+    # Each element and each block's scale crosses the wire once, FP8: what whole blocks would cost
+    assert plan.total_bytes == 384 * 200 + 200 * 384 + 4 * (3 * 2 + 2 * 3) + 2 * 2 * 200
+
+
+def test_fp8_split_blocks_without_the_exchange_come_out_wrong():
+    """Negative control: each rank scaling its part of a split row of blocks by its own part's max."""
+    dbufs, _, _ = _fsdp_transfer(exchange=False)
+    m = masters()
+    u8 = torch.uint8
+    for t, buf in (("up.weight", "up"), ("down.weight", "down")):
+        q = loop_quantize(m[t])[0]
+        got = torch.cat([dbufs[0][buf], dbufs[1][buf]], dim=0 if t == "up.weight" else 1)
+        assert not torch.equal(got.view(u8), q.view(u8)), f"{t}: right without the exchange"
 
 
 def test_fp8_without_its_scales_is_refused():
