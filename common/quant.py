@@ -43,6 +43,16 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     return _quantize(x, block, max(1, min(gm, step)))
 
 
+def _max_abs(blocks: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max |x| over `dims`, exact, in the blocks' own dtype. For the common floats, read on the bits
+    with the sign cleared: they order as integers as |x| orders as a float (NaN above infinity, as
+    amax propagates it), and integer ops are 3x faster on a CPU core."""
+    bits, sign = _MAGNITUDE_BITS.get(blocks.dtype, (None, 0))
+    if bits is None:
+        return blocks.abs().amax(dim=dims)
+    return torch.bitwise_and(blocks.view(bits), sign).amax(dim=dims).view(blocks.dtype)
+
+
 def _quantize(x: torch.Tensor, block: tuple[int, int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_block_quantize, `step` rows of blocks at a time (a partial last row of blocks alone)."""
     m, n = x.shape
@@ -57,7 +67,6 @@ def _quantize(x: torch.Tensor, block: tuple[int, int], step: int) -> tuple[torch
     padded = x.new_zeros((step * bm, wide)) if copy_in else None
     # x * (1 / scale) in float32 (at least), as vLLM's quantizer
     scratch = torch.empty((step * bm, wide), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-    bits, sign = _MAGNITUDE_BITS.get(x.dtype, (None, 0))
     i = 0
     while i < gm:
         r0 = i * bm
@@ -68,14 +77,8 @@ def _quantize(x: torch.Tensor, block: tuple[int, int], step: int) -> tuple[torch
             padded[:h, :n].copy_(rows)
             rows = padded[:h]
         blocks = rows.reshape(k, h // k, gn, bn)
-        # max |x| per block, exact in x's own dtype; a partial row block counts its rows alone
-        if bits is None:
-            amax = blocks.abs().amax(dim=(1, 3))
-        else:
-            # The bits of |x| (sign bit cleared) order as integers as |x| orders as a float (NaN
-            # above infinity, as amax propagates it), and integer ops are 3x faster on a CPU core
-            amax = torch.bitwise_and(blocks.view(bits), sign).amax(dim=(1, 3)).view(x.dtype)
-        scale = amax.float().clamp_(min=AMAX_FLOOR) / FP8_MAX
+        # a partial row block counts its rows alone
+        scale = _max_abs(blocks, (1, 3)).float().clamp_(min=AMAX_FLOOR) / FP8_MAX
         scales[i:i + k] = scale
         out = scratch[:h].view(k, h // k, gn, bn)
         out.copy_(blocks)
@@ -96,12 +99,8 @@ def block_amax(rows: torch.Tensor, col0: int, width: int, block: tuple[int, int]
         return out
     pad = rows.new_zeros((h, gn * block[1]))
     pad[:, :w].copy_(rows)
-    bits, sign = _MAGNITUDE_BITS.get(rows.dtype, (None, 0))
-    blocks = pad.view(h, gn, block[1])
-    amax = (blocks.abs().amax(dim=(0, 2)) if bits is None
-            else torch.bitwise_and(blocks.view(bits), sign).amax(dim=(0, 2)).view(rows.dtype))
     c0 = col0 // block[1]
-    out[c0:c0 + gn] = amax.float()
+    out[c0:c0 + gn] = _max_abs(pad.view(h, gn, block[1]), (0, 2)).float()
     return out
 
 

@@ -164,9 +164,11 @@ class TrainerWorker(WorkerBase):
         this rank holds, piece by piece (common/layout/quantized.py), as the transfer first reads them
         (common/quant.py): made for each transfer, dropped after. Where pieces of several ranks split
         a row of blocks, their partial maxima are exchanged first (the prelude)."""
-        from reshard.common.layout.quantized import amax_exchange, split_rows
+        from reshard.common.layout.quantized import amax_exchange, has_derived, split_rows
         from reshard.common.quant import QuantizedBuffers
 
+        if not has_derived(src, self.rank):  # nothing to quantize: the buffers as they are, not copied
+            return buffers, self.shapes, None
         split = amax_exchange(src, self.rank, plan.moved_tensors()) if split_rows(src) else None
         q = QuantizedBuffers(src.ranks[self.rank], self.descs, buffers, split)
         if not q.pending:

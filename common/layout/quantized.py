@@ -235,6 +235,15 @@ def derived_pieces(bufs: tuple[LocalBuffer, ...]) -> list[tuple[str, str, int]]:
     return out
 
 
+def has_derived(layout: Layout, rank: int) -> bool:
+    """Whether `rank` of a source layout fills derived buffers (looked at once per rank class)."""
+    memo = layout._memo.setdefault("fp8_derived_classes", {})
+    c = layout.ranks.rank_class[rank]
+    if c not in memo:
+        memo[c] = bool(derived_pieces(layout.ranks.cls(c)))
+    return memo[c]
+
+
 def source_buffer(derived: str) -> str:
     return derived.rpartition(DERIVED[0])[0]
 
