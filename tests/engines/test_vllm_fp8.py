@@ -11,8 +11,9 @@ model (block-FP8 weights received as bf16, their scales derived), its buffers fi
 bf16 canonical tensors by the layout's pieces, and the backend's load through vLLM's layerwise
 reload, quantizing each whole block on the rank. Every FP8 weight and scale must equal what vLLM
 loaded from the checkpoint, byte for byte, and vLLM must generate the same tokens. Then (checkpoint)
-a real update through the services: `reshard inference` and `reshard trainer` with a trainer
-worker on fp32 masters of the same weights, the vLLM backend in its default (bounded) staging.
+a real update through the services: `reshard inference` and `reshard trainer` with three trainer
+workers on fp32 masters of the same weights, cut by rows as FSDP2 cuts them (inside rows of
+blocks), the vLLM backend in its default (bounded) staging.
 
 Negative control, on the same engine after: one 128 x 128 block of k_proj scaled by 1.5 must make
 exactly the buffer holding it (layer 0's qkv_proj on rank 0) wrong, and nothing else."""
@@ -146,22 +147,38 @@ if __name__ == "__main__":
         procs = [subprocess.Popen([*cli, "inference", "--listen", inf, "--external-workers", "--workers", "2",
                                    "--worker-listen", inf_w, "--model", "llama-fp8"], stdout=log, stderr=log),
                  subprocess.Popen([*cli, "trainer", "--listen", tr, "--external-workers", "--workers",
-                                   "1", "--worker-listen", tr_w, "--inference", inf, "--run", "rl", "--model", "llama-fp8"],
+                                   "3", "--worker-listen", tr_w, "--inference", inf, "--run", "rl", "--model", "llama-fp8"],
                                   stdout=log, stderr=log)]
         try:
             masters = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)  # fp32 masters
-            trainer = TrainerWorker.from_module(tr_w, masters, rank=0, world=1, run="rl").start()
-            # the defaults: bounded staging, quantized on the sender (the trainer worker, from its fp32 masters)
+            # Three trainer ranks, each parameter cut by rows as FSDP2's Shard(0) cuts it (torch.chunk):
+            # 256 rows -> 86, 86, 84, so the cuts fall inside rows of 128 x 128 blocks
+            from reshard.common.layout.core import Box, LocalBuffer, Piece
+            from reshard.integrations.dtensor import module_layout
+            _, _, tensors, whole = module_layout(masters, rank=0, world=1)
+            trainers = []
+            for r in range(3):
+                bufs = {}
+                for name, (desc, t) in whole.items():
+                    (piece,) = desc.pieces
+                    chunks = torch.chunk(t, 3)
+                    if r < len(chunks):
+                        c, at = chunks[r], sum(x.shape[0] for x in chunks[:r])
+                        box = Box((at,) + (0,) * (c.dim() - 1), tuple(c.shape))
+                        bufs[name] = (LocalBuffer(name, tuple(c.shape), desc.dtype, (Piece(piece.tensor, Box.full(tuple(c.shape)), box),)), c)
+                trainers.append(TrainerWorker(tr_w, r, 3, tensors, bufs, run="rl").start())
+            # the defaults: bounded staging, quantized on the sender (the trainer workers, from their fp32 masters)
             llm.init_weight_transfer_engine({"init_info": {"controller": inf_w}})
-            handle = trainer.publish(1)
+            handles = [t.publish(1) for t in trainers]
             res["served"] = update(llm, 1, run="rl", timeout=300)  # bounded: the transfer runs inside update_weights
-            assert handle.wait(300), "step 1 was not committed"
+            assert all(h.wait(300) for h in handles), "step 1 was not committed"
             res["after_update"] = llm.collective_rpc(wrong_modules)
             res["tokens_after_update"] = tokens()
             st = json.loads(subprocess.run([*cli, "status", "--trainer", tr, "--json"], capture_output=True,
                                            text=True, check=True).stdout)
             res["update_bytes"] = st["history"][-1]["bytes"] if st.get("history") else None
-            trainer.stop()
+            for t in trainers:
+                t.stop()
         finally:
             for pr in procs:
                 pr.terminate()
@@ -206,10 +223,11 @@ def test_block_fp8_quantized_on_the_rank_equals_vllms_fp8_load(tmp_path, mode):
     assert res["tokens_after"] == res["tokens_before"], res
     if mode == "checkpoint":
         assert res["tokens_sender"] == res["tokens_before"], res
-        # Through the services (the defaults: bounded staging, quantized on the sender): the trainer
-        # worker quantizes its fp32 masters (upcasts of the checkpoint's bf16 weights, so the same values
-        # vLLM's quantizer saw), FP8 values and scales on the wire, the spoiled scale put right: every FP8
-        # layer of both ranks equals the checkpoint's again, and the tokens too
+        # Through the services (the defaults: bounded staging, quantized on the sender): three trainer
+        # workers, their fp32 masters (upcasts of the checkpoint's bf16 weights, so the same values
+        # vLLM's quantizer saw) cut by rows inside rows of blocks, exchange partial block maxima and
+        # quantize; FP8 values and scales on the wire, the spoiled scale put right: every FP8 layer of
+        # both ranks equals the checkpoint's again, and the tokens too
         assert res["served"] == "rl:1" and res["after_update"] == [[], []], res
         assert res["tokens_after_update"] == res["tokens_before"], res
         # FP8 on the wire: the 8 linear layers' elements at a byte each plus their scales, the rest bf16
