@@ -9,12 +9,10 @@ recipe). A second update with other masters must put every byte right again."""
 import time
 
 import pytest
-import torch
 
 from reshard.trainer_svc.worker import TrainerWorker
 
-from ..unit.test_fp8_recipe import loop_quantize
-from ..unit.test_fp8_wire import ROW_CUTS, engine_fp8, fsdp_trainer, masters
+from ..unit.test_fp8_wire import ROW_CUTS, engine_fp8, fsdp_trainer, holds_what_the_loop_makes, masters
 from .inprocess import deployment
 
 pytestmark = pytest.mark.integration
@@ -50,12 +48,4 @@ def test_fp8_from_trainer_shards_that_split_blocks_through_the_services():
             while any(w.version is None or w.version.step != step for w in inferences):
                 assert time.monotonic() - t0 < 60, "inference never committed"
                 time.sleep(0.05)
-            (uq, us), (dq, ds) = loop_quantize(m["up.weight"]), loop_quantize(m["down.weight"])
-            u8 = torch.uint8
-            for d, (u0, ur, d0, dc) in enumerate(((0, 128, 0, 256), (128, 256, 256, 128))):
-                got = inferences[d].live
-                assert torch.equal(got["up"].view(u8), uq[u0:u0 + ur].view(u8)), f"step {step} rank {d} up"
-                assert torch.equal(got["up_s"], us[u0 // 128:-(-(u0 + ur) // 128)]), f"step {step} rank {d} up scales"
-                assert torch.equal(got["down"].view(u8), dq[:, d0:d0 + dc].view(u8)), f"step {step} rank {d} down"
-                assert torch.equal(got["down_s"], ds[:, d0 // 128:-(-(d0 + dc) // 128)]), f"step {step} rank {d} down scales"
-                assert torch.equal(got["norm"], m["norm"].to(torch.bfloat16))
+            holds_what_the_loop_makes([w.live for w in inferences], m, f"step {step} ")

@@ -75,6 +75,21 @@ def engine_fp8() -> Layout:
     return Layout(specs, tuple(ranks))
 
 
+def holds_what_the_loop_makes(dbufs: list[dict[str, torch.Tensor]], m: dict[str, torch.Tensor], when: str = ""):
+    """Each rank of `engine_fp8` holds what the block-by-block loop makes of the masters `m`, byte
+    for byte, and norm as their bf16 cast; returns up's (values, scales)."""
+    (uq, us), (dq, ds) = loop_quantize(m["up.weight"]), loop_quantize(m["down.weight"])
+    u8 = torch.uint8
+    for d, (u0, ur, d0, dc) in enumerate(((0, 128, 0, 256), (128, 256, 256, 128))):
+        got, at = dbufs[d], f"{when}rank {d}"
+        assert torch.equal(got["up"].view(u8), uq[u0:u0 + ur].view(u8)), f"{at} up"
+        assert torch.equal(got["up_s"], us[u0 // 128:-(-(u0 + ur) // 128)]), f"{at} up scales"
+        assert torch.equal(got["down"].view(u8), dq[:, d0:d0 + dc].view(u8)), f"{at} down"
+        assert torch.equal(got["down_s"], ds[:, d0 // 128:-(-(d0 + dc) // 128)]), f"{at} down scales"
+        assert torch.equal(got["norm"], m["norm"].to(torch.bfloat16)), f"{at} norm"
+    return uq, us
+
+
 class Counting(Loopback):
     def __init__(self, rank: int, wire: dict, counter: list[int]) -> None:
         super().__init__(rank, wire)
@@ -111,15 +126,7 @@ def test_trainer_quantizes_fp8_values_and_scales_cross_the_wire(relay):
         Engine(Counting(2 + d, wire, sent), plan, "dst", d, dbufs[d], shapes, StagingPool(), deadline).run()
     assert not wire
     m = masters()
-    (uq, us), (dq, ds) = loop_quantize(m["up.weight"]), loop_quantize(m["down.weight"])
-    u8 = torch.uint8
-    for d, (u0, ur, d0, dc) in enumerate(((0, 128, 0, 256), (128, 256, 256, 128))):
-        got = dbufs[d]
-        assert torch.equal(got["up"].view(u8), uq[u0:u0 + ur].view(u8)), f"rank {d} up"
-        assert torch.equal(got["up_s"], us[u0 // 128:-(-(u0 + ur) // 128)]), f"rank {d} up scales"
-        assert torch.equal(got["down"].view(u8), dq[:, d0:d0 + dc].view(u8)), f"rank {d} down"
-        assert torch.equal(got["down_s"], ds[:, d0 // 128:-(-(d0 + dc) // 128)]), f"rank {d} down scales"
-        assert torch.equal(got["norm"], m["norm"].to(torch.bfloat16))
+    uq, us = holds_what_the_loop_makes(dbufs, m)
     assert us[2, 0] == 9.0 / 448.0 and torch.count_nonzero(uq.float()) > 0.9 * uq.numel()  # the outlier's block
     # FP8 on the wire: one byte per weight element and four per block scale (bf16 would be two per
     # element, the fp32 masters four), every destination element once (a relay forwards a copy
@@ -224,14 +231,7 @@ def test_fp8_blocks_split_by_trainer_shards_come_out_as_if_quantized_whole():
     assert [(r.tensor, r.row) for r in rows] == [("up.weight", 1), ("up.weight", 2)] and list(peers) == [2]
     assert not any(b.name == "up1#scale:0" for b in q.ranks[1]), "a share inside one row of blocks sends no scale"
     m = masters()
-    (uq, us), (dq, ds) = loop_quantize(m["up.weight"]), loop_quantize(m["down.weight"])
-    u8 = torch.uint8
-    for d, (u0, ur, d0, dc) in enumerate(((0, 128, 0, 256), (128, 256, 256, 128))):
-        got = dbufs[d]
-        assert torch.equal(got["up"].view(u8), uq[u0:u0 + ur].view(u8)), f"rank {d} up"
-        assert torch.equal(got["up_s"], us[u0 // 128:-(-(u0 + ur) // 128)]), f"rank {d} up scales"
-        assert torch.equal(got["down"].view(u8), dq[:, d0:d0 + dc].view(u8)), f"rank {d} down"
-        assert torch.equal(got["down_s"], ds[:, d0 // 128:-(-(d0 + dc) // 128)]), f"rank {d} down scales"
+    holds_what_the_loop_makes(dbufs, m)
     # Each element and each block's scale crosses the wire once, FP8: what whole blocks would cost
     assert plan.total_bytes == 384 * 200 + 200 * 384 + 4 * (3 * 2 + 2 * 3) + 2 * 2 * 200
 
