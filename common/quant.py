@@ -194,15 +194,16 @@ class QuantizedBuffers(dict):
         return self[name]
 
     def partial_amax(self, tensor: str, row: int, width: int, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
-        """This rank's part of the max |x| per column block of one row of blocks of `tensor`."""
-        out = torch.zeros(width, dtype=torch.float32)
+        """This rank's part of the max |x| per column block of one row of blocks of `tensor`, on the
+        device of the weights."""
+        out = None
         for values, (_, _, piece) in self._pieces.items():
             a, b = piece.box.offset[0], piece.box.end[0]
             lo, hi = max(a, row * block[0]), min(b, (row + 1) * block[0])
             if piece.tensor == tensor and lo < hi:
                 part = block_amax(self._piece(values)[lo - a:hi - a], piece.box.offset[1], width, block)
-                out = torch.maximum(out, part.to(out.device))
-        return out
+                out = part if out is None else torch.maximum(out, part)
+        return out if out is not None else torch.zeros(width, dtype=torch.float32)
 
     def exchange(self, transport, deadline: float) -> None:
         """Before the update's first byte: this rank's partial max |x| of every split row of blocks it
@@ -212,10 +213,15 @@ class QuantizedBuffers(dict):
         import time
 
         mine = {(r.tensor, r.row): self.partial_amax(r.tensor, r.row, r.width) for r in self._rows}
-        posted, inbox = [], {}
+        wire = getattr(transport, "device", None) or torch.device("cpu")  # where the transport moves bytes from
+        posted, inbox, sent = [], {}, []
         for peer, rows in sorted(self._peers.items()):
-            out = torch.cat([mine[(r.tensor, r.row)] for r in rows])
+            out = torch.cat([mine[(r.tensor, r.row)].to(wire) for r in rows])
             inbox[peer] = torch.empty_like(out)
+            sent.append(out)  # kept until its send is done
+        if torch.device(wire).type == "cuda":  # the maxima were made on this stream; the transport sends on its own
+            torch.cuda.current_stream(wire).synchronize()
+        for (peer, rows), out in zip(sorted(self._peers.items()), sent):
             posted.append(transport.send(out.view(torch.uint8), peer, AMAX_TAG))
             posted.append(transport.recv(inbox[peer].view(torch.uint8), peer, AMAX_TAG))
         transport.flush()
@@ -225,7 +231,7 @@ class QuantizedBuffers(dict):
             at = 0
             for r in rows:
                 key = (r.tensor, r.row)
-                mine[key] = torch.maximum(mine[key], inbox[peer][at:at + r.width])
+                mine[key] = torch.maximum(mine[key], inbox[peer][at:at + r.width].to(mine[key].device))
                 at += r.width
         for (t, k), amax in mine.items():
             self._amax.setdefault(t, {})[k] = amax
