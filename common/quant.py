@@ -5,10 +5,12 @@ scale is amax / 448 (the largest e4m3fn value); the values are x * (1 / scale), 
 float8_e4m3fn; partial blocks at the edges count their elements alone. The scale tensor
 (`weight_scale_inv` in a checkpoint) is what multiplies the values back.
 
-A block's scale depends on every element of the block, so a block is quantized where it is
-whole: on a trainer rank whose shard is made of whole blocks (common/layout/quantized.py: FP8
-bytes on the wire), or on the inference rank, whose shard of a block-quantized layer always is
-(vLLM refuses a tensor-parallel split that is not)."""
+A block's scale depends on every element of the block. On the trainer ranks (FP8 bytes on the
+wire: common/layout/quantized.py), a piece made of whole blocks is quantized on its own; where
+pieces of several ranks share a row of blocks (FSDP2 row shards), the ranks first exchange their
+partial max |x| per block (`QuantizedBuffers.exchange`) and each quantizes its rows with the whole
+block's scale (`fp8_piece_quantize`). On the inference rank (`quantize="receiver"`), its shard of a
+block-quantized layer is always whole blocks (vLLM refuses a tensor-parallel split that is not)."""
 
 from __future__ import annotations
 
