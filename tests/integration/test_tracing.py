@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from reshard.common.control import tracing
 from reshard.common.models.presets import megatron_layout, model_config, vllm_layout
 from reshard.tools.synth import tensor_value
 from reshard.trainer_svc.worker import TrainerWorker
