@@ -1,4 +1,4 @@
-"""Block FP8: the recipe that turns a 2-D weight into float8_e4m3fn values and one float32 scale per
+"""Block FP8: the recipe that turns a 2-D weight (or each of stacked experts) into float8_e4m3fn values and one float32 scale per
 block (128 x 128 by default), as DeepSeek-V3 and the Qwen3 FP8 checkpoints ship them and as vLLM
 quantizes online (`fp8_per_block`): per block, amax = max |x| in float32, at least 1e-4; the
 scale is amax / 448 (the largest e4m3fn value); the values are x * (1 / scale), cast to
@@ -31,15 +31,24 @@ DEVICE_SCRATCH_BYTES = 64 << 20
 
 
 def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values float8_e4m3fn in x's shape, scales float32 [ceil(rows / block[0]), ceil(cols / block[1])]).
+    """(values float8_e4m3fn in x's shape, scales float32 [ceil(rows / block[0]), ceil(cols / block[1])]);
+    stacked experts (E, rows, cols): each expert's, scales [E, ceil(rows / block[0]), ceil(cols / block[1])].
 
     On a CPU, one row of blocks at a time, through a scratch row that stays in cache (4x faster on
     a core than the whole tensor at once); on an accelerator, as many rows of blocks as fit in
     DEVICE_SCRATCH_BYTES. The arithmetic is the same element by element."""
-    if x.dim() != 2:
-        raise ValueError(f"block FP8 quantizes 2-D weights, not a tensor of shape {list(x.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"block FP8 quantizes 2-D weights or stacked experts (3-D), not a tensor of shape "
+                         f"{list(x.shape)}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"block FP8 quantizes floating-point weights, not {x.dtype}")
+    if x.dim() == 3:  # stacked experts: each expert's matrix in blocks of its own
+        values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty((x.shape[0], -(-x.shape[1] // block[0]), -(-x.shape[2] // block[1])),
+                             dtype=torch.float32, device=x.device)
+        for e in range(x.shape[0]):
+            values[e], scales[e] = fp8_block_quantize(x[e], block)
+        return values, scales
     gm, wide = -(-x.shape[0] // block[0]), -(-x.shape[1] // block[1]) * block[1]
     step = 1 if x.device.type == "cpu" else DEVICE_SCRATCH_BYTES // (block[0] * wide * 4)
     return _quantize(x, block, max(1, min(gm, step)))

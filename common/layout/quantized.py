@@ -10,6 +10,12 @@ piece's index in the buffer), which the trainer worker fills at each transfer by
 piece (`common/quant.py`, the engine's recipe). The FP8 bytes and their scales cross the wire:
 about half of bf16, a quarter of fp32.
 
+Stacked experts (vLLM's `w13_weight` (E, 2I, H), `w2_weight` (E, H, I); canonically
+`mlp.experts.gate_up_proj` and `down_proj`) are quantized expert by expert: blocks over the last
+two dims, one scale tensor of shape (E, ceil(rows / 128), ceil(cols / 128)), as an FP8 checkpoint's
+per-expert `weight_scale_inv` stack. A trainer piece of them must be whole blocks (whole experts,
+as expert parallelism and FSDP2's Shard(0) cut them; or rows and columns on block boundaries).
+
 A block's scale depends on every element of the block. A piece made of whole blocks (Megatron's
 row and column shards, whole experts) is quantized on its own. A piece whose rows start or end
 inside a row of blocks (an FSDP2 Shard(0) whose row count is not a multiple of 128) holds part of
@@ -40,51 +46,72 @@ def scale_name(tensor: str) -> str:
     return tensor + SCALE_SUFFIX
 
 
-def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
-    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+def full_block(ndim: int, block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
+    """The block of a tensor of `ndim` dims: 128 x 128 over its last two, one element along the
+    leading ones (stacked experts (E, rows, cols): each expert's matrix in blocks of its own)."""
+    return (1,) * (ndim - 2) + tuple(block)
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
+    return tuple(-(-s // b) for s, b in zip(shape, full_block(len(shape), block)))
 
 
 def scale_box(box: Box, block: tuple[int, int] = BLOCK) -> Box:
     """The scales of the blocks a block-aligned box covers."""
-    lo = tuple(o // b for o, b in zip(box.offset, block))
-    hi = tuple(-(-e // b) for e, b in zip(box.end, block))
+    full = full_block(len(box.offset), block)
+    lo = tuple(o // b for o, b in zip(box.offset, full))
+    hi = tuple(-(-e // b) for e, b in zip(box.end, full))
     return Box(lo, tuple(h - l_ for h, l_ in zip(hi, lo)))
 
 
-def scale_buffer(buf: LocalBuffer, name: str, shape: tuple[int, int] | None = None) -> LocalBuffer:
+def _complement(shape: tuple[int, ...], boxes: list[Box]) -> list[Box]:
+    """Boxes covering what `boxes` do not of a tensor of `shape` (slabs along the first dim)."""
+    if not shape:
+        return []
+    cuts = sorted({0, shape[0], *(c for b in boxes for c in (b.offset[0], b.end[0]) if 0 < c < shape[0])})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        inside = [Box(b.offset[1:], b.size[1:]) for b in boxes if b.offset[0] <= lo and b.end[0] >= hi]
+        rest = _complement(shape[1:], inside) if inside else [Box((0,) * (len(shape) - 1), shape[1:])]
+        out += [Box((lo, *r.offset), (hi - lo, *r.size)) for r in rest]
+    return out
+
+
+def scale_buffer(buf: LocalBuffer, name: str, shape: tuple[int, ...] | None = None) -> LocalBuffer:
     """The float32 buffer of a block-FP8 buffer's scales (default shape: one per block of `buf`),
-    piece by piece the scales of `buf`'s pieces (each made of whole blocks, spanning whole rows of
-    `buf`: what a linear layer's shard holds); rows no piece covers are padding."""
+    piece by piece the scales of `buf`'s pieces (each made of whole blocks at block boundaries of
+    `buf`: what a linear layer's shard, or a rank's stacked experts, holds); scales no piece covers
+    are padding."""
     pieces = tuple(Piece(scale_name(p.tensor), scale_box(p.region), scale_box(p.box)) for p in buf.pieces)
-    shape = shape or scale_shape(buf.shape)
-    covered = sorted((p.region.offset[0], p.region.end[0], p.region.size[1]) for p in pieces)
-    padding, at = [], 0
-    for lo, hi, cols in covered + [(shape[0], shape[0], shape[1])]:
-        if cols != shape[1] or lo < at:
-            raise LayoutError(f"{buf.name}: its pieces do not span whole rows of blocks, so their scales cannot be laid out")
-        if lo > at:
-            padding.append(Box((at, 0), (lo - at, shape[1])))
-        at = hi
+    shape = tuple(shape or scale_shape(buf.shape))
+    regions = [p.region for p in pieces]
+    padding = _complement(shape, regions)
+    if any(any(e > s for e, s in zip(r.end, shape)) for r in regions) or \
+            sum(r.numel for r in regions) + sum(b.numel for b in padding) != math.prod(shape):
+        raise LayoutError(f"{buf.name}: the scales of its pieces overlap or fall outside {list(shape)}, so they "
+                          "cannot be laid out (its pieces are not whole blocks at block boundaries)")
     return LocalBuffer(name, shape, "float32", pieces, tuple(padding))
 
 
 def aligned(box: Box, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
     """Whether a box of a tensor of `shape` is made of whole blocks."""
-    return all(o % b == 0 and (e % b == 0 or e == s) for o, e, s, b in zip(box.offset, box.end, shape, block))
+    full = full_block(len(shape), block)
+    return all(o % b == 0 and (e % b == 0 or e == s) for o, e, s, b in zip(box.offset, box.end, shape, full))
 
 
 def columns_aligned(box: Box, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
-    """Whether a box of a 2-D tensor starts on a column block boundary and ends on one or at the edge."""
-    o, e = box.offset[1], box.end[1]
-    return o % block[1] == 0 and (e % block[1] == 0 or e == shape[1])
+    """Whether a box starts on a column block boundary and ends on one or at the edge."""
+    o, e = box.offset[-1], box.end[-1]
+    return o % block[1] == 0 and (e % block[1] == 0 or e == shape[-1])
 
 
 def owned_scales(box: Box, block: tuple[int, int] = BLOCK) -> Box:
     """The scales a trainer piece sends: its column blocks, in the rows of blocks whose first row it
-    holds (every row of blocks has one such piece, whoever holds the rest of it)."""
-    lo, hi = -(-box.offset[0] // block[0]), -(-box.end[0] // block[0])
-    c0, c1 = box.offset[1] // block[1], -(-box.end[1] // block[1])
-    return Box((lo, c0), (max(0, hi - lo), c1 - c0))
+    holds (every row of blocks has one such piece, whoever holds the rest of it); along leading
+    dims (stacked experts), the piece's own."""
+    lo, hi = -(-box.offset[-2] // block[0]), -(-box.end[-2] // block[0])
+    c0, c1 = box.offset[-1] // block[1], -(-box.end[-1] // block[1])
+    return Box((*box.offset[:-2], lo, c0), (*box.size[:-2], max(0, hi - lo), c1 - c0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +141,8 @@ def split_rows(layout: Layout, block: tuple[int, int] = BLOCK) -> tuple[SplitRow
                     held.setdefault(b.pieces[0].tensor, []).append((c, b.pieces[0].box))
         out = []
         for t, pieces in sorted(held.items()):
+            if len(layout.tensors[t].shape) != 2:  # stacked experts: pieces of whole blocks (_class_buffers)
+                continue
             m, n = layout.tensors[t].shape
             split = sorted({o // block[0] for box in (p for _, p in pieces)
                             for o in (box.offset[0], box.end[0]) if o % block[0] and 0 < o < m})
@@ -156,9 +185,12 @@ def fp8_tensors(src: Layout, dst: Layout) -> dict[str, str]:
             continue
         sname = scale_name(name)
         sc = dst.tensors.get(sname)
-        if len(d.shape) != 2 or sc is None or sc.dtype != "float32" or sc.shape != scale_shape(d.shape):
+        if len(d.shape) not in (2, 3):
+            raise LayoutError(f"tensor {name!r}: the destination serves it as {FP8} in blocks, but it has shape "
+                              f"{list(d.shape)}: block FP8 is a 2-D weight's, or stacked experts' (3-D)")
+        if sc is None or sc.dtype != "float32" or tuple(sc.shape) != scale_shape(d.shape):
             raise LayoutError(f"tensor {name!r}: the destination serves it as {FP8} but declares no float32 "
-                              f"{sname!r} of shape {list(scale_shape(d.shape)) if len(d.shape) == 2 else '?'} "
+                              f"{sname!r} of shape {list(scale_shape(d.shape))} "
                               f"(its block scales, {BLOCK[0]} x {BLOCK[1]})")
         if sname in src.tensors:
             raise LayoutError(f"tensor {sname!r}: the source holds it, but it is derived from {name!r} when quantized")
@@ -202,6 +234,13 @@ def _class_buffers(bufs: tuple[LocalBuffer, ...], quant: dict[str, str], tensors
                 keep.append(p)
                 continue
             shape = tensors[p.tensor].shape
+            if len(shape) > 2 and not aligned(p.box, shape):
+                raise LayoutError(
+                    f"tensor {p.tensor!r}: the destination serves these stacked experts as block FP8 ({BLOCK[0]} x "
+                    f"{BLOCK[1]} per expert), and trainer rank {rank} holds its box {p.box}"
+                    f"{' (a flat range)' if p.flat else ''}, which splits blocks: the trainer quantizes stacked "
+                    "experts where its pieces are whole blocks. Shard them by experts, or on block boundaries, or "
+                    "let the destination quantize (the vLLM backend's quantize='receiver': bf16 on the wire)")
             if not columns_aligned(p.box, shape):
                 raise LayoutError(
                     f"tensor {p.tensor!r}: the destination serves it as block FP8 ({BLOCK[0]} x {BLOCK[1]}), and "
@@ -249,7 +288,7 @@ def source_buffer(derived: str) -> str:
 
 
 def wire_bytes(shape: tuple[int, ...]) -> int:
-    """Bytes a block-FP8 tensor of `shape` takes on the wire: values and scales."""
+    """Bytes a block-FP8 tensor of `shape` (2-D, or stacked experts) takes on the wire: values and scales."""
     return math.prod(shape) + 4 * math.prod(scale_shape(shape))
 
 

@@ -33,7 +33,9 @@ both modules are targets of it, since each derives its own kernel data.
 Quantized models: a layer of a block-FP8 checkpoint (`quantization_config` fp8 with
 `weight_block_size`, as DeepSeek-V3 and the Qwen3 FP8 models ship; float8_e4m3fn `weight`
 and a float32 `weight_scale_inv` per 128 x 128 block) is read, by default (`quantize="sender"`),
-as the checkpoint holds it: the weight's canonical tensors are float8_e4m3fn and each has its
+as the checkpoint holds it (a fused MoE layer's stacked experts too: `w13_weight` and `w2_weight`,
+float8_e4m3fn, with `w13_weight_scale_inv` and `w2_weight_scale_inv`, blocks per expert; canonically
+`mlp.experts.gate_up_proj_scale_inv` (E, 2I/128, H/128) and `down_proj_scale_inv`): the weight's canonical tensors are float8_e4m3fn and each has its
 `<name>_scale_inv`, whose pieces are the weight's pieces block by block. The trainer ranks
 quantize (common/layout/quantized.py), FP8 values and scales cross the wire, and the backend
 copies them into the layer. With `quantize="receiver"` the weight is received unquantized, in the
@@ -45,8 +47,9 @@ quantized on the sender, the trainer ranks exchanging partial block maxima first
 be made of whole blocks (vLLM refuses other splits; so does this). vLLM's
 online quantization (`quantization="fp8"` over a bf16 checkpoint) records the checkpoint's
 bf16 weights for its reload, so its layers read like unquantized ones and vLLM quantizes them
-when it reloads. Any other quantized format (compressed-tensors, AWQ, GPTQ, modelopt, FP8
-experts, ...) is refused by name."""
+when it reloads. FP8 experts whose intermediate size per rank is not a multiple of 128 (vLLM
+refines their scale grid) are refused, as is any other quantized format (compressed-tensors, AWQ,
+GPTQ, modelopt, per-tensor FP8, ...), by name."""
 
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ import dataclasses
 import torch
 
 from reshard.common.layout.core import Box, LayoutError, LocalBuffer, Piece, TensorSpec
-from reshard.common.layout.quantized import SCALE_SUFFIX, aligned, scale_buffer, scale_name, scale_shape
+from reshard.common.layout.quantized import SCALE_SUFFIX, aligned, full_block, scale_buffer, scale_name, scale_shape
 from reshard.common.quant import FP8_BLOCK
 from reshard.integrations.names import FUSED, MOE_STACKED, fused_names, unfused, vllm_module_name
 
@@ -259,36 +262,47 @@ def _quant_format(module: torch.nn.Module) -> str:
     return str(name)
 
 
-def _block_fp8(mname: str, module: torch.nn.Module, params: dict[str, torch.Tensor]) -> tuple[int, int] | None:
-    """The block of a block-FP8 linear layer (None: not quantized, or quantized online); refuses
-    every other quantized format by name."""
+def _block_fp8(mname: str, module: torch.nn.Module, params: dict[str, torch.Tensor]
+               ) -> tuple[tuple[int, int], tuple[str, ...]] | None:
+    """(the block, the FP8 parameters) of a block-FP8 layer: a linear layer's `weight`, or a fused
+    MoE layer's stacked experts `w13_weight` and `w2_weight`, each with its `<param>_scale_inv`
+    (None: not quantized, or quantized online); refuses every other quantized format by name."""
     fmt = _quant_format(module)
     if not fmt or fmt == ONLINE or not params:  # no weights here (an FP8 KV cache's attention layer)
         return None
-    weight = params.get("weight")
     block = getattr(module, "weight_block_size", None)
-    if fmt == "fp8" and block and weight is not None and weight.dtype == torch.float8_e4m3fn \
-            and "weight_scale_inv" in params and weight.dim() == 2:
+    fp8 = tuple(n for n, t in params.items() if t.dtype == torch.float8_e4m3fn)
+    moe = hasattr(module, "moe_config")
+    want = ("w13_weight", "w2_weight") if moe else ("weight",)
+    if fmt == "fp8" and block and sorted(fp8) == sorted(want) \
+            and all(f"{n}_scale_inv" in params and params[n].dim() == (3 if moe else 2) for n in want):
         if tuple(block) != FP8_BLOCK:
             raise LayoutError(f"{mname}: block FP8 in blocks of {list(block)}: reshard quantizes in blocks of "
                               f"{list(FP8_BLOCK)}")
-        return tuple(block)
+        if getattr(module.quant_method, "weight_scale_refine", None) is not None:
+            raise LayoutError(f"{mname}: block-FP8 experts whose intermediate size per rank "
+                              f"({module.intermediate_size_per_partition}) is not a multiple of {FP8_BLOCK[0]}: vLLM "
+                              "refines their scale grid, which reshard does not make; use a tensor-parallel size "
+                              f"that leaves whole {FP8_BLOCK[0]}-row blocks, or expert parallelism")
+        return tuple(block), want
     kind = f"{fmt} ({type(module.quant_method).__name__})"
     raise LayoutError(f"{mname}: quantized format {kind} cannot be resharded; supported: unquantized weights, "
-                      "block FP8 checkpoints (fp8 with weight_block_size 128x128) and vLLM's online quantization")
+                      "block FP8 checkpoints (fp8 with weight_block_size 128x128, linear layers and stacked "
+                      "experts) and vLLM's online quantization")
 
 
 def _check_whole_blocks(bname: str, pieces: list[Piece], block: tuple[int, int], tensors: dict[str, TensorSpec]) -> None:
     for p in pieces:
-        if any(o % b for o, b in zip(p.region.offset, block)) or not aligned(p.box, tensors[p.tensor].shape, block):
+        full = full_block(len(p.region.offset), block)
+        if any(o % b for o, b in zip(p.region.offset, full)) or not aligned(p.box, tensors[p.tensor].shape, block):
             raise LayoutError(f"{bname}: block FP8 is quantized where its {list(block)} blocks are whole, but this "
                               f"rank holds {p.tensor} box {p.box} (at {list(p.region.offset)} of its buffer): not on "
                               "block boundaries")
 
 
 def _check_scales(sbuf: LocalBuffer, want: torch.Tensor) -> None:
-    end = max((p.region.end for p in sbuf.pieces), default=(0, 0))
-    if any(e > w for e, w in zip(end, want.shape)) or want.dtype != torch.float32:
+    end = tuple(max(e) for e in zip(*(p.region.end for p in sbuf.pieces))) or (0,) * want.dim()
+    if len(end) != want.dim() or any(e > w for e, w in zip(end, want.shape)) or want.dtype != torch.float32:
         raise LayoutError(f"{sbuf.name}: {list(want.shape)} {want.dtype}, but its weight's blocks need float32 scales "
                           f"up to {list(end)}")
 
@@ -314,17 +328,18 @@ def rank_layout(model: torch.nn.Module, quantize: str = "sender") -> RankLayout:
 
     for mname, module in model.named_modules():
         params, made = _loadable_params(module)
-        block = _block_fp8(mname, module, params)
-        if block is not None:  # the scales travel beside the weight (sender), or are made on this rank
-            scales = params.get("weight_scale_inv")
+        fp8 = _block_fp8(mname, module, params)
+        block, qnames = fp8 if fp8 is not None else (None, ())
+        scales = {n: params[f"{n}{SCALE_SUFFIX}"] for n in qnames}
+        if qnames:  # the scales travel beside the weights (sender), or are made on this rank
             if quantize == "receiver":
-                made = [*made, "weight_scale_inv"]
-            params = {n: t for n, t in params.items() if n != "weight_scale_inv"}
+                made = [*made, *(f"{n}{SCALE_SUFFIX}" for n in qnames)]
+            params = {n: t for n, t in params.items() if n not in {f"{q}{SCALE_SUFFIX}" for q in qnames}}
         derived += [f"{mname}.{n}" for n in made]
         for pname, meta in params.items():
             live = module._parameters[pname]
             key = id(live)
-            quant = block if block is not None and pname == "weight" and quantize == "receiver" else None
+            quant = block if pname in qnames and quantize == "receiver" else None
             if key in owner:
                 targets.append(Target(mname, pname, owner[key], quant))
                 continue
@@ -338,19 +353,19 @@ def rank_layout(model: torch.nn.Module, quantize: str = "sender") -> RankLayout:
 
             pieces, padding = _param_pieces(vllm_module_name(arch, mname), module, pname, shape, add, fused)
             bname = f"{mname}.{pname}"
-            if block is not None and pname == "weight":
+            if pname in qnames:
                 _check_whole_blocks(bname, pieces, block, tensors)
             owner[key] = bname
             buffers.append(LocalBuffer(bname, shape, dtype, tuple(pieces), tuple(padding)))
             targets.append(Target(mname, pname, bname, quant))
-            if block is not None and pname == "weight" and quantize == "sender":
-                sbuf = scale_buffer(buffers[-1], f"{bname}{SCALE_SUFFIX}", tuple(scales.shape))
-                _check_scales(sbuf, scales)
+            if pname in qnames and quantize == "sender":
+                sbuf = scale_buffer(buffers[-1], f"{bname}{SCALE_SUFFIX}", tuple(scales[pname].shape))
+                _check_scales(sbuf, scales[pname])
                 for p in pieces:
                     add(scale_name(p.tensor), scale_shape(tensors[p.tensor].shape), "float32")
-                owner[id(module._parameters["weight_scale_inv"])] = sbuf.name
+                owner[id(module._parameters[f"{pname}{SCALE_SUFFIX}"])] = sbuf.name
                 buffers.append(sbuf)
-                targets.append(Target(mname, "weight_scale_inv", sbuf.name))
+                targets.append(Target(mname, f"{pname}{SCALE_SUFFIX}", sbuf.name))
     if not buffers:
         raise LayoutError(f"{type(model).__name__}: no loadable parameters found")
     return RankLayout(tensors, buffers, targets, derived)
