@@ -201,14 +201,16 @@ class Trainers:
 
 
 class ResidentMemory:
-    """The resident memory of vLLM's processes (the children of this process that are not the
-    controllers or the trainers), sampled on a thread: the steady state before the backend is
-    initialized, and the peak after."""
+    """The resident memory of vLLM's processes, sampled on a thread: the steady state before the
+    backend is initialized, and the peak after. vLLM's processes are the children of this process
+    alive when it is made (vLLM's engine and workers), less the controllers and the trainers; the
+    `reshard status` commands run later (children too) are not vLLM's and are not counted."""
 
     def __init__(self, exclude: set[int]) -> None:
         import psutil
 
-        self.me, self.exclude = psutil.Process(), exclude
+        self.me = psutil.Process()
+        self.procs = [p for p in self.me.children(recursive=True) if p.pid not in exclude]
         self.peak, self._stop = 0, threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -216,9 +218,7 @@ class ResidentMemory:
         import psutil
 
         total = 0
-        for p in self.me.children(recursive=True):
-            if p.pid in self.exclude:
-                continue
+        for p in self.procs:
             try:
                 total += p.memory_info().rss
             except psutil.Error:
@@ -292,9 +292,18 @@ def run(a) -> int:
         t0 = time.perf_counter()
         llm = LLM(model=tmp, tensor_parallel_size=tp, dtype="float32", load_format="dummy", skip_tokenizer_init=True,
                   max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=True, weight_transfer_config={"backend": BACKEND})
-        # Extra memory, measured: vLLM's processes' resident memory over their steady state (before the
-        # backend holds anything), at its peak through init and every update.
+        greedy = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+
+        def tokens() -> list[list[int]]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        # Extra memory, measured: vLLM's processes' resident memory over their steady state (serving,
+        # before the backend holds anything: after a first generation, so that what serving itself
+        # touches, its KV cache pages among it, is not counted as the backend's), at its peak through
+        # init and every update.
         mem = ResidentMemory({p.pid for p in procs} | {p.pid for p in trainers.procs})
+        tokens()
         time.sleep(1.0)
         steady = mem.now()
         mem.start()
@@ -303,11 +312,6 @@ def run(a) -> int:
                                                        **({"pool_bytes": pool_bytes} if pool_bytes else {})}})
         results["engine_start_seconds"] = time.perf_counter() - t0
         results["weights_bytes_per_rank"] = payload // tp
-        greedy = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
-
-        def tokens() -> list[list[int]]:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-            return [list(o.outputs[0].token_ids) for o in outs]
 
         def reference() -> list[list[int]]:
             trainers.send("reference")
