@@ -89,7 +89,9 @@ def check(worker, canon_path, spoil, quantize):
            "experts_scales": sorted(b.name for b in layout.buffers if b.name.endswith(("w13_weight_scale_inv",
                                                                                       "w2_weight_scale_inv"))),
            "scales_derived": sorted(d for d in layout.derived if d.endswith("scale_inv")),
-           "tensors": {n: [list(t.shape), t.dtype] for n, t in layout.tensors.items() if ".experts." in n}}
+           "tensors": {n: [list(t.shape), t.dtype] for n, t in layout.tensors.items() if ".experts." in n},
+           "experts_held": sorted({e for b in layout.buffers if b.name.endswith("w13_weight") and ".layers.0." in b.name
+                                   for p in b.pieces for e in range(p.box.offset[0], p.box.end[0])})}
     if not hasattr(worker, "fp8_reference"):  # what vLLM loaded from the FP8 checkpoint at start
         worker.fp8_reference = (mods, live_fp8(model, mods))
     canon = torch.load(canon_path)
@@ -115,7 +117,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    tmp = sys.argv[1]
+    tmp, placement = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
@@ -152,7 +154,7 @@ if __name__ == "__main__":
     json.dump(c, open(os.path.join(fp8, "config.json"), "w"))
     llm = LLM(model=fp8, tensor_parallel_size=2, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=128, max_num_seqs=4, seed=0, enforce_eager=True, worker_extension_cls="fp8_cpu_kernel.Ext",
-              weight_transfer_config={"backend": "reshard"})
+              weight_transfer_config={"backend": "reshard"}, enable_expert_parallel=placement == "ep")
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": [1, 5, 9, 17]}, {"prompt_token_ids": [3, 200, 7]}]
 
@@ -168,7 +170,7 @@ if __name__ == "__main__":
                                                           ([[1, 2], [0, 128], [0, 128]], 1.5)}, "receiver"))
     res["sender_exact"] = llm.collective_rpc(check, args=(cf, {}, "sender"))
     res["tokens_sender"] = tokens()
-    # expert 3's down projection, scale of block (0, 1): columns 128-255, rank 1's
+    # expert 3's down projection, scale of block (0, 1): rank 1's (TP: columns 128-255; EP: experts 2-3)
     res["sender_spoiled"] = llm.collective_rpc(check, args=(cf, {"model.layers.1.mlp.experts.down_proj_scale_inv":
                                                                  ([[3, 4], [0, 1], [1, 2]], 1.5)}, "sender"))
     import socket, subprocess
@@ -225,13 +227,16 @@ if __name__ == "__main__":
 '''
 
 
-def test_block_fp8_experts_equal_vllms_fp8_moe_load(tmp_path):
+@pytest.mark.parametrize("placement", ["tp", "ep"])
+def test_block_fp8_experts_equal_vllms_fp8_moe_load(tmp_path, placement):
+    """tp: every expert on both ranks, split by intermediate rows; ep: vLLM's expert parallelism,
+    each rank two whole experts (its expert map)."""
     script = tmp_path / "fp8_moe_check.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=tmp_path)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), placement], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
     experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
@@ -239,6 +244,7 @@ def test_block_fp8_experts_equal_vllms_fp8_moe_load(tmp_path):
         exact, spoiled = res["exact"][rank], res["spoiled"][rank]
         sender, bad = res["sender_exact"][rank], res["sender_spoiled"][rank]
         assert exact["rank"] == rank
+        assert exact["experts_held"] == ([0, 1, 2, 3] if placement == "tp" else [2 * rank, 2 * rank + 1]), exact
         moe = sorted(m for m in exact["fp8_modules"] if ".experts" in m)
         assert len(moe) == 2 and all(m.startswith(tuple(experts)) for m in moe), exact["fp8_modules"]
         assert len(exact["fp8_modules"]) == 2 * 3, exact["fp8_modules"]  # qkv_proj, o_proj, experts per layer
@@ -247,7 +253,7 @@ def test_block_fp8_experts_equal_vllms_fp8_moe_load(tmp_path):
         assert exact["experts_quantized_here"] == sorted(w) and exact["experts_dtypes"] == ["bfloat16"], exact
         assert exact["experts_scales"] == [] and set(exact["scales_derived"]) >= {f"{x}_scale_inv" for x in w}, exact
         assert exact["wrong"] == [], exact  # byte for byte what vLLM loaded from the FP8 checkpoint
-        # the negative control: expert 1's gate block 0 is rank 0's, layer 0
+        # the negative control: expert 1's gate block 0 is rank 0's, layer 0 (TP: its gate rows 0-127; EP: its expert)
         assert spoiled["wrong"] == ([moe[0]] if rank == 0 else []), spoiled
         # sender: FP8 values and per-expert scales are buffers; canonical scales (E, rows/128, cols/128)
         assert sender["experts_quantized_here"] == [] and sender["experts_dtypes"] == ["float8_e4m3fn"], sender
@@ -255,7 +261,7 @@ def test_block_fp8_experts_equal_vllms_fp8_moe_load(tmp_path):
         assert sender["tensors"]["model.layers.0.mlp.experts.gate_up_proj_scale_inv"] == [[4, 4, 2], "float32"], sender
         assert sender["tensors"]["model.layers.1.mlp.experts.down_proj_scale_inv"] == [[4, 2, 2], "float32"], sender
         assert sender["wrong"] == [], sender
-        assert bad["wrong"] == ([moe[1]] if rank == 1 else []), bad
+        assert bad["wrong"] == ([moe[1]] if rank == 1 else []), bad  # TP: its columns 128-255; EP: expert 3
     assert res["tokens_after"] == res["tokens_before"] and res["tokens_sender"] == res["tokens_before"], res
     # Through the services: every FP8 module of both ranks equals the checkpoint's again (the
     # spoiled scale put right), the same tokens, and FP8 bytes on the wire
