@@ -69,17 +69,10 @@ def check(worker, ckpt_dir, spoil, quantize):
            "scale_buffers": sorted(b.name for b in layout.buffers if b.name.endswith("weight_scale_inv"))}
     if not hasattr(worker, "fp8_reference"):  # what vLLM loaded at start (the checkpoint's, or quantized online)
         worker.fp8_reference = live_fp8(model, [t.module for t in quant])
-    canon = {k: v for k, v in load_file(os.path.join(ckpt_dir, "model.safetensors")).items()}
-    for name, (rows, cols, factor) in spoil.items():
-        canon[name] = canon[name].clone()
-        canon[name][:rows, :cols] = (canon[name][:rows, :cols].float() * factor).to(canon[name].dtype)
-    staged = {}
-    for b in layout.buffers:
-        staged[b.name] = buf = torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
-        for p in b.pieces:
-            p.view(buf).copy_(canon[p.tensor][p.box.slices()])
-    eng.host = staged  # the backend's load reads the staged copy (staged in host memory)
-    eng._load(None)
+    from fp8_support import load_canonical
+
+    load_canonical(eng, load_file(os.path.join(ckpt_dir, "model.safetensors")),
+                   {name: ([[0, rows], [0, cols]], factor) for name, (rows, cols, factor) in spoil.items()})
     out["wrong"] = wrong_modules(worker)
     return out
 
@@ -132,57 +125,9 @@ if __name__ == "__main__":
         res["sender_spoiled"] = llm.collective_rpc(check, args=(fp8, {"model.layers.0.self_attn.k_proj.weight_scale_inv":
                                                                       (1, 1, 1.5)}, "sender"))
     if mode == "checkpoint":  # then a real update through the services, from fp32 masters, into the spoiled engine
-        import subprocess, socket
-        from reshard.integrations.vllm import update
-        from reshard.trainer_svc.worker import TrainerWorker
+        from fp8_support import update_from_fsdp2_rows
 
-        def port():
-            with socket.socket() as sk:
-                sk.bind(("127.0.0.1", 0))
-                return sk.getsockname()[1]
-
-        inf, tr, inf_w, tr_w = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}", f"unix:{tmp}/inf.sock", f"unix:{tmp}/tr.sock"
-        cli = [sys.executable, "-m", "reshard.cli"]
-        log = open(os.path.join(tmp, "controllers.log"), "w")
-        procs = [subprocess.Popen([*cli, "inference", "--listen", inf, "--external-workers", "--workers", "2",
-                                   "--worker-listen", inf_w, "--model", "llama-fp8"], stdout=log, stderr=log),
-                 subprocess.Popen([*cli, "trainer", "--listen", tr, "--external-workers", "--workers",
-                                   "3", "--worker-listen", tr_w, "--inference", inf, "--run", "rl", "--model", "llama-fp8"],
-                                  stdout=log, stderr=log)]
-        try:
-            masters = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)  # fp32 masters
-            # Three trainer ranks, each parameter cut by rows as FSDP2's Shard(0) cuts it (torch.chunk):
-            # 256 rows -> 86, 86, 84, so the cuts fall inside rows of 128 x 128 blocks
-            from reshard.common.layout.core import Box, LocalBuffer, Piece
-            from reshard.integrations.dtensor import module_layout
-            _, _, tensors, whole = module_layout(masters, rank=0, world=1)
-            trainers = []
-            for r in range(3):
-                bufs = {}
-                for name, (desc, t) in whole.items():
-                    (piece,) = desc.pieces
-                    chunks = torch.chunk(t, 3)
-                    if r < len(chunks):
-                        c, at = chunks[r], sum(x.shape[0] for x in chunks[:r])
-                        box = Box((at,) + (0,) * (c.dim() - 1), tuple(c.shape))
-                        bufs[name] = (LocalBuffer(name, tuple(c.shape), desc.dtype, (Piece(piece.tensor, Box.full(tuple(c.shape)), box),)), c)
-                trainers.append(TrainerWorker(tr_w, r, 3, tensors, bufs, run="rl").start())
-            # the defaults: bounded staging, quantized on the sender (the trainer workers, from their fp32 masters)
-            llm.init_weight_transfer_engine({"init_info": {"controller": inf_w}})
-            handles = [t.publish(1) for t in trainers]
-            res["served"] = update(llm, 1, run="rl", timeout=300)  # bounded: the transfer runs inside update_weights
-            assert all(h.wait(300) for h in handles), "step 1 was not committed"
-            res["after_update"] = llm.collective_rpc(wrong_modules)
-            res["tokens_after_update"] = tokens()
-            st = json.loads(subprocess.run([*cli, "status", "--trainer", tr, "--json"], capture_output=True,
-                                           text=True, check=True).stdout)
-            res["update_bytes"] = st["history"][-1]["bytes"] if st.get("history") else None
-            for t in trainers:
-                t.stop()
-        finally:
-            for pr in procs:
-                pr.terminate()
-                pr.wait(30)
+        res.update(update_from_fsdp2_rows(llm, tmp, bf16, "llama-fp8", wrong_modules, tokens))
     print("RESULT " + json.dumps(res), flush=True)
 '''
 

@@ -94,18 +94,9 @@ def check(worker, canon_path, spoil, quantize):
                                    for p in b.pieces for e in range(p.box.offset[0], p.box.end[0])})}
     if not hasattr(worker, "fp8_reference"):  # what vLLM loaded from the FP8 checkpoint at start
         worker.fp8_reference = (mods, live_fp8(model, mods))
-    canon = torch.load(canon_path)
-    for name, (index, factor) in spoil.items():
-        canon[name] = canon[name].clone()
-        box = tuple(slice(a, b) for a, b in index)
-        canon[name][box] = (canon[name][box].float() * factor).to(canon[name].dtype)
-    staged = {}
-    for b in layout.buffers:
-        staged[b.name] = buf = torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
-        for p in b.pieces:
-            p.view(buf).copy_(canon[p.tensor][p.box.slices()])
-    eng.host = staged  # the backend's load reads the staged copy (staged in host memory)
-    eng._load(None)
+    from fp8_support import load_canonical
+
+    load_canonical(eng, torch.load(canon_path), spoil)
     out["wrong"] = wrong_modules(worker)
     return out
 
@@ -173,56 +164,9 @@ if __name__ == "__main__":
     # expert 3's down projection, scale of block (0, 1): rank 1's (TP: columns 128-255; EP: experts 2-3)
     res["sender_spoiled"] = llm.collective_rpc(check, args=(cf, {"model.layers.1.mlp.experts.down_proj_scale_inv":
                                                                  ([[3, 4], [0, 1], [1, 2]], 1.5)}, "sender"))
-    import socket, subprocess
-    from reshard.integrations.vllm import update
-    from reshard.trainer_svc.worker import TrainerWorker
+    from fp8_support import update_from_fsdp2_rows  # stacked experts 4 -> 2, 2: whole experts
 
-    def port():
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            return sk.getsockname()[1]
-
-    inf, tr, inf_w, tr_w = f"127.0.0.1:{port()}", f"127.0.0.1:{port()}", f"unix:{tmp}/inf.sock", f"unix:{tmp}/tr.sock"
-    cli = [sys.executable, "-m", "reshard.cli"]
-    log = open(os.path.join(tmp, "controllers.log"), "w")
-    procs = [subprocess.Popen([*cli, "inference", "--listen", inf, "--external-workers", "--workers", "2",
-                               "--worker-listen", inf_w, "--model", "qwen3-moe-fp8"], stdout=log, stderr=log),
-             subprocess.Popen([*cli, "trainer", "--listen", tr, "--external-workers", "--workers",
-                               "3", "--worker-listen", tr_w, "--inference", inf, "--run", "rl", "--model", "qwen3-moe-fp8"],
-                              stdout=log, stderr=log)]
-    try:
-        masters = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32)  # fp32 masters
-        # Three trainer ranks, each parameter cut by rows as FSDP2's Shard(0) cuts it (torch.chunk):
-        # stacked experts 4 -> 2, 2 (whole experts); 256-row weights 86, 86, 84 (inside rows of blocks)
-        from reshard.common.layout.core import Box, LocalBuffer, Piece
-        from reshard.integrations.dtensor import module_layout
-        _, _, tensors, whole = module_layout(masters, rank=0, world=1)
-        trainers = []
-        for r in range(3):
-            bufs = {}
-            for name, (desc, t) in whole.items():
-                (piece,) = desc.pieces
-                chunks = torch.chunk(t, 3)
-                if r < len(chunks):
-                    c, at = chunks[r], sum(x.shape[0] for x in chunks[:r])
-                    box = Box((at,) + (0,) * (c.dim() - 1), tuple(c.shape))
-                    bufs[name] = (LocalBuffer(name, tuple(c.shape), desc.dtype, (Piece(piece.tensor, Box.full(tuple(c.shape)), box),)), c)
-            trainers.append(TrainerWorker(tr_w, r, 3, tensors, bufs, run="rl").start())
-        llm.init_weight_transfer_engine({"init_info": {"controller": inf_w}})  # bounded staging, quantized on the sender
-        handles = [t.publish(1) for t in trainers]
-        res["served"] = update(llm, 1, run="rl", timeout=300)
-        assert all(h.wait(300) for h in handles), "step 1 was not committed"
-        res["after_update"] = llm.collective_rpc(wrong_modules)
-        res["tokens_after_update"] = tokens()
-        st = json.loads(subprocess.run([*cli, "status", "--trainer", tr, "--json"], capture_output=True,
-                                       text=True, check=True).stdout)
-        res["update_bytes"] = st["history"][-1]["bytes"] if st.get("history") else None
-        for t in trainers:
-            t.stop()
-    finally:
-        for pr in procs:
-            pr.terminate()
-            pr.wait(30)
+    res.update(update_from_fsdp2_rows(llm, tmp, bf16, "qwen3-moe-fp8", wrong_modules, tokens))
     print("RESULT " + json.dumps(res), flush=True)
 '''
 
