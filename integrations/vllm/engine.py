@@ -432,14 +432,8 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
-        by_module: dict[str, list] = {}
-        for t in self.layout.targets:
-            by_module.setdefault(t.module, []).append(t)
-        uses: dict[str, int] = {}
-        for t in self.layout.targets:
-            uses[t.buffer] = uses.get(t.buffer, 0) + 1
-        shared = {b for b, n in uses.items() if n > 1}  # tied weights: each module processes its own copy
-        host_heap, freed = torch.device(self.device).type == "cpu", 0
+        by_module, shared = self._targets()
+        host_heap = torch.device(self.device).type == "cpu"
         moe = []
         for m in modules:
             layer = self.model.get_submodule(m)
@@ -454,14 +448,28 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             _layerwise_process(layer, info)
             if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:
                 moe.append(layer)
-            if host_heap:
-                freed += sum(staged[t.buffer].nbytes for t in by_module[m])
-                if freed >= TRIM_EVERY:
+            if host_heap:  # counted across calls: bounded loads a group at a time
+                self._freed += sum(staged[t.buffer].nbytes for t in by_module[m])
+                if self._freed >= TRIM_EVERY:
                     release_freed_heap()
-                    freed = 0
-        if host_heap and freed:
-            release_freed_heap()
+                    self._freed = 0
         return moe
+
+    _freed = 0  # bytes of modules loaded since the C heap's freed pages last went back (CPU)
+    _targets_of = None
+
+    def _targets(self) -> tuple[dict[str, list], set[str]]:
+        """(module -> its targets, the buffers several targets load: tied weights, each module
+        processing its own copy), made once per layout."""
+        layout = self.layout
+        if self._targets_of is None or self._targets_of[0] is not layout:
+            by_module: dict[str, list] = {}
+            uses: dict[str, int] = {}
+            for t in layout.targets:
+                by_module.setdefault(t.module, []).append(t)
+                uses[t.buffer] = uses.get(t.buffer, 0) + 1
+            self._targets_of = (layout, by_module, {b for b, n in uses.items() if n > 1})
+        return self._targets_of[1], self._targets_of[2]
 
     def _prepack(self, moe_layers: list) -> None:
         for layer in moe_layers if torch.device(self.device).type == "cpu" else ():
@@ -476,9 +484,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
 
         layout, staged = self.layout, self.host if self.host is not None else self.worker.live
         bufs = {b.name: b for b in layout.buffers}
-        by_module: dict[str, list] = {}
-        for t in layout.targets:
-            by_module.setdefault(t.module, []).append(t)
+        by_module = self._targets()[0]
         todo = [m for m, ts in by_module.items()
                 if dirty is None or any(p.tensor in dirty for t in ts for p in bufs[t.buffer].pieces)]
         def fresh(buf: str) -> bool:
