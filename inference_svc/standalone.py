@@ -40,18 +40,23 @@ def make_worker(controller: str, rank: int, world: int, model: str, seed: int, s
         for p in desc.pieces:  # the checkpoint the engine loaded at start: synthetic step 0
             init_box(p.view(t), seed, p.tensor, p.box.offset, layout.tensors[p.tensor].shape)
         buffers[desc.name] = (desc, t)
+    # The serving loop looks its weights up at each step, so a shadow commit swaps the two copies
     return InferenceWorker(controller, rank, world, layout.tensors, buffers, staging=staging, version=CHECKPOINT,
-                           model=model, fault=fault, pool_bytes=pool_bytes)
+                           model=model, fault=fault, pool_bytes=pool_bytes, flip=staging == "shadow")
 
 
 def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: float = 0.01) -> None:
     """The synthetic serving loop: one small request every `interval` seconds."""
-    # A small matrix-vector product over the first rows of this rank's first 2-D buffer.
-    w = next(t for t in worker.live.values() if t.dim() >= 2).flatten(1)
-    x = torch.ones(w.shape[1], dtype=torch.float32, device=w.device)
+    # A small matrix-vector product over the first rows of this rank's first 2-D buffer, looked up in
+    # `worker.live` at each step (a shadow commit swaps the copies: see InferenceWorker's `flip`).
+    name = next(n for n, t in worker.live.items() if t.dim() >= 2)
+    x = None
     while not stop.is_set():
         with worker.serving() as version:
             if version is not None:
+                w = worker.live[name].flatten(1)
+                if x is None:
+                    x = torch.ones(w.shape[1], dtype=torch.float32, device=w.device)
                 _ = torch.mv(w[:64].float(), x).sum().item()
                 worker.record_request(version)
         stop.wait(interval)

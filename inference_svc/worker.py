@@ -69,8 +69,12 @@ class InferenceWorker(WorkerBase):
                  commit_hooks: tuple[Callable[[pb.Version], None], ...] = (), version: pb.Version | None = None,
                  model: str = "", fault: dict[str, float] | None = None, security: Security | None = None,
                  mode: str | None = None, pool_bytes: int = DEFAULT_POOL_BYTES, load: LoadFn | None = None,
-                 load_groups: dict[str, str] | None = None, device: str | None = None) -> None:
-        """`staging`: "shadow" (the default), "inplace", "bounded" or "staged" (see the module doc). `mode` is its
+                 load_groups: dict[str, str] | None = None, device: str | None = None, flip: bool = False) -> None:
+        """`staging`: "shadow" (the default), "inplace", "bounded" or "staged" (see the module doc).
+        `flip` (shadow staging only): the engine looks its weights up in `worker.live` at every step
+        (inside `serving()`) and holds no reference to them between steps, so COMMIT swaps the shadow
+        and the live copies instead of copying one into the other (the pause is a swap of references,
+        not a copy of the rank's weights; the weights' addresses change, so not for CUDA graphs). `mode` is its
         deprecated earlier name (a DeprecationWarning, once). Bounded staging only: `pool_bytes`, the
         pool it receives through; `load(tensors)`, which loads a complete group of buffers (name ->
         tensor, valid during the call) into the engine (default: copied into the buffers given here);
@@ -103,6 +107,14 @@ class InferenceWorker(WorkerBase):
         # Allocated once, as a copy of the live weights: a partial update (and padding, which no
         # update writes) commits what the shadow holds for what it does not carry.
         self.shadow = {n: t.clone() for n, t in self.live.items()} if staging == "shadow" else None
+        if flip and (staging != "shadow" or not self.holds_copy):
+            raise ValueError(f"flip swaps the shadow and live copies at COMMIT: it needs shadow staging with the weights "
+                             f"held here, not {staging!r}{'' if self.holds_copy else ' over meta buffers'}")
+        self.flip = flip
+        self._flipping = False  # this update's COMMIT swaps (flip, and a session that maps buffers per update)
+        # Flip: the buffers whose shadow holds an older version than the live one (swapped at a COMMIT),
+        # brought level before an update that writes them in part
+        self._behind: set[str] = set()
         self.bounded = BoundedStaging(self.descs, self.shapes, self.device, pool_bytes, load_groups) \
             if staging in POOLED else None
         if self.bounded is not None:  # the plan sends this rank's buffers in order, half the pool at a time
@@ -221,6 +233,10 @@ class InferenceWorker(WorkerBase):
         if self._pauses():
             self._pause()
             self.serving_ok = False  # live weights are about to be overwritten
+        if self.flip:
+            # CUDA IPC and hybrid sessions map a guest's buffers once per session: those commit by copy
+            self._flipping = p.session.transport not in ("ipc", "hybrid")
+            self._level_shadow()
         if self.bounded is not None:
             self.bounded.begin(self.prepared(p.update_id)[0], self.rank, self._load)
 
@@ -312,6 +328,26 @@ class InferenceWorker(WorkerBase):
     def _resync_shadow(self) -> None:
         for n, t in self.live.items():
             self.shadow[n].copy_(t)
+        self._behind = set()
+
+    def _overwrites(self, name: str) -> bool:
+        """Whether the update in flight writes buffer `name` whole (every tensor it holds is carried;
+        padding, which no update writes, is the same in both copies)."""
+        return self._carrying is None or all(p.tensor in self._carrying for p in self.descs[name].pieces)
+
+    def _carried(self, name: str) -> bool:
+        """Whether the update in flight writes any of buffer `name`."""
+        return self._carrying is None or any(p.tensor in self._carrying for p in self.descs[name].pieces)
+
+    def _level_shadow(self) -> None:
+        """Flip: before a transfer into the shadow, its buffers that a swap left a version behind and
+        that this update writes in part get the live version (one it overwrites whole needs nothing,
+        so a full update copies nothing; one it does not carry stays behind until one does)."""
+        for n in sorted(self._behind):
+            if self._carried(n):
+                if not self._overwrites(n):
+                    self.shadow[n].copy_(self.live[n])
+                self._behind.discard(n)
 
     async def _on_verify(self, v: wpb.Verify, cid: int) -> dict:
         self._verifying = v.update_id  # from here, its peers may commit: see on_controller_lost
@@ -347,10 +383,16 @@ class InferenceWorker(WorkerBase):
                     torch.cuda.synchronize(self.device)
                 # The buffers this update wrote (a partial update: those holding a tensor it carried);
                 # the others' live weights already are the committed version.
-                carried = self._carrying
-                for n, t in self.live.items():
-                    if carried is None or any(p.tensor in carried for p in self.descs[n].pieces):
-                        t.copy_(self.shadow[n])
+                written = [n for n in self.live if self._carried(n)]
+                if self._flipping:  # the engine looks its weights up at each step: swap, copy nothing
+                    live, shadow = dict(self.live), dict(self.shadow)
+                    for n in written:
+                        live[n], shadow[n] = self.shadow[n], self.live[n]
+                    self.live, self.shadow = live, shadow
+                    self._behind |= set(written)
+                else:
+                    for n in written:
+                        self.live[n].copy_(self.shadow[n])
                 if cuda:  # and the engine's next step sees whole weights
                     torch.cuda.current_stream(self.device).synchronize()
             for hook in self.commit_hooks:
@@ -420,7 +462,6 @@ class InferenceWorker(WorkerBase):
                                "does): read them back from the engine, or stage inplace or shadow")
         self._refuse_inplace()
         region = self._read_region(r)
-        views = self._read_views(r.tensor, region)
         dtype = dtype_of(self.tensors[r.tensor].dtype)  # a buffer that holds it cast sends the canonical dtype
         deadline = time.monotonic() + READ_LOCK_TIMEOUT
         for _ in range(READ_RETRIES):
@@ -433,6 +474,7 @@ class InferenceWorker(WorkerBase):
                 gen = self._commit_gen
             self._refuse_inplace()
             version, ok = self.version, self.serving_ok
+            views = self._read_views(r.tensor, region)  # after the commit: with flip, it swaps the copies
             copies = [(inter, v.to(device="cpu", dtype=dtype, memory_format=torch.contiguous_format, copy=True))
                       for inter, v in views]
             # An in-place transfer that began meanwhile writes into the weights just copied (one

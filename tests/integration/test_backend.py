@@ -23,6 +23,7 @@ def test_cpu_workers_report_device_and_memory_and_run_gloo():
         c.close()
 
 
+@pytest.mark.slow  # the quick suite's time: 4-6 s
 def test_a_forced_backend_that_cannot_work_fails_the_update_by_name():
     """`--backend hybrid` (NCCL between GPUs, CUDA IPC within one) on CPU workers: the update fails
     before any byte moves, saying why, and inference keeps serving what it had."""

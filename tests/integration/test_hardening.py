@@ -364,6 +364,7 @@ def test_an_update_asked_for_before_the_workers_attached_waits_for_them(tmp_path
         stop_processes(procs)
 
 
+@pytest.mark.slow  # the quick suite's time: 4-6 s
 def test_malformed_requests_are_refused_at_the_door_naming_the_field():
     """The outside probe's malformed requests: each gets INVALID_ARGUMENT naming the field, from a
     real controller, before anything reaches a worker (they got UNKNOWN with a traceback, or were

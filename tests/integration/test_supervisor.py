@@ -376,6 +376,7 @@ def test_adopted_workers_keep_their_log_and_last_words(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # the quick suite's time: 4-6 s
 @pytest.mark.integration
 def test_controller_starts_workers_without_forking(tmp_path):
     """A worker died of SIGSEGV once in about 30 restarts, 0.1 s after it was forked from the

@@ -1,5 +1,6 @@
 """What an inference rank serves when it loses its controller (inference_svc/worker.py)."""
 
+import pytest
 import torch
 
 from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
@@ -124,3 +125,56 @@ def test_staging_and_its_deprecated_name_mode(monkeypatch):
         make(staging="shadow", mode="inplace")
     with pytest.raises(ValueError, match="staging must be one of shadow, inplace, bounded, staged, not 'both'"):
         make(staging="both")
+
+
+def test_a_flip_commit_swaps_the_copies_and_partial_updates_stay_whole(monkeypatch):
+    """flip=True: COMMIT swaps the shadow and live copies (no copy of the weights: the live tensor
+    is the one the transfer wrote), and a later partial update still commits, for what it does
+    not carry, the last committed values, in a buffer that holds a carried and an uncarried
+    tensor too. The expected values are kept apart, tensor by tensor."""
+    from reshard.proto import worker_pb2 as wpb
+
+    specs = {"a": TensorSpec("a", (3,), "float32"), "b": TensorSpec("b", (2,), "float32"),
+             "c": TensorSpec("c", (2,), "float32")}
+    bufs = {"A": (LocalBuffer("A", (3,), "float32", (Piece("a", Box((0,), (3,)), Box((0,), (3,))),)), torch.zeros(3)),
+            "BC": (LocalBuffer("BC", (4,), "float32", (Piece("b", Box((0,), (2,)), Box((0,), (2,))),
+                                                        Piece("c", Box((0,), (2,)), Box((2,), (2,))))), torch.zeros(4))}
+    where = {"a": ("A", slice(0, 3)), "b": ("BC", slice(0, 2)), "c": ("BC", slice(2, 4))}
+
+    def run(flip: bool, level: bool = True) -> tuple[list[dict], bool]:
+        w = InferenceWorker("127.0.0.1:1", 0, 1, specs, {n: (d, t.clone()) for n, (d, t) in bufs.items()},
+                            version=pb.Version(run="r", step=0), flip=flip)
+        if not level:
+            monkeypatch.setattr(w, "_level_shadow", lambda: None)
+        w.held = False
+        seen, swapped = [], True
+        for step, carried in enumerate([None, ["b"], ["c"], ["a"], None, ["b", "c"]], start=1):
+            w.before_transfer(wpb.Prepare(update_id=f"u{step}", tensors=carried or []))
+            staged = w.transfer_buffers()
+            ptrs = {n: t.data_ptr() for n, t in staged.items()}
+            for name in carried or specs:  # the transfer: each carried tensor's piece, nothing else
+                buf, sl = where[name]
+                staged[buf][sl] = float(step)
+            w._commit(pb.Version(run="r", step=step))
+            swapped &= all(w.live[where[n][0]].data_ptr() == ptrs[where[n][0]] for n in carried or specs)
+            with w.serving() as version:
+                assert version.step == step
+                seen.append({n: w.live[b][sl].tolist() for n, (b, sl) in where.items()})
+        return seen, swapped
+
+    last = {"a": 0.0, "b": 0.0, "c": 0.0}  # what each tensor should hold: the last update that carried it
+    expected = []
+    for step, carried in enumerate([None, ["b"], ["c"], ["a"], None, ["b", "c"]], start=1):
+        last.update({n: float(step) for n in carried or specs})
+        expected.append({n: [v] * specs[n].shape[0] for n, v in last.items()})
+    flipped, swapped = run(flip=True)
+    assert flipped == expected and swapped
+    copied, swapped = run(flip=False)
+    assert copied == expected and not swapped  # the copying commit keeps the live tensors where they are
+    # Negative control: a flip that does not bring the shadow level loses the other tensor of a
+    # buffer a partial update writes in part
+    broken, _ = run(flip=True, level=False)
+    assert broken != expected
+    with pytest.raises(ValueError, match="flip swaps the shadow and live copies"):
+        InferenceWorker("127.0.0.1:1", 0, 1, specs, {n: (d, t.clone()) for n, (d, t) in bufs.items()},
+                        staging="inplace", flip=True)
