@@ -713,8 +713,6 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     It runs inside trainers and engines, so it leaves the process's allocator, garbage collector
     and numpy settings alone; `reshard plan` tunes its own process instead."""
     options = options or PlanOptions()
-    if dst.receive_window and options.relay:  # a bounded destination holds what it has yet to relay: no relays
-        options = dataclasses.replace(options, relay=False)
     bucket = options.bucket_bytes // ALIGN * ALIGN  # aligned segments then never exceed it
     S, T, buffer_names = _tables(src, dst)
     check_compatible(src, dst, tensors)
@@ -763,9 +761,12 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     for tbl in (S, T):               # source table's piece columns freed (the plan no longer needs them)
         tbl.hash_buffers(layouts_hash)
     del S, s_off, s_size, s_strides
-    g, m = _messages(g, name_rank, options, bucket)
+    g, m = _messages(g, name_rank, *_window_bucket(options, bucket, dst))
     if dst.receive_window:
-        m["round"] = _windowed_rounds(g, m, name_rank, dst.receive_window, bucket)
+        # With replicas, a bounded primary receives at the pace its relay chain forwards, so what it
+        # holds until forwarded stays a few rounds' bytes (not the rank's weights)
+        pace = _relay_pace(T, units, subset, D, name_rank, *_window_bucket(options, bucket, dst)) if options.relay else {}
+        m["round"] = _windowed_rounds(g, m, name_rank, dst.receive_window, _window_bucket(options, bucket, dst)[1], pace)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     peers = max(1, options.staging_limit // (2 * bucket))
     relaying = bool(units)
@@ -795,7 +796,7 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
             else:
                 rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
                 rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-                rg, rm = _messages(rg, name_rank, options, bucket)
+                rg, rm = _messages(rg, name_rank, *_window_bucket(options, bucket, dst))
                 base = nseg
                 templates[key] = (rg, rm, base)
                 seg_parts.append(rg)
@@ -1164,28 +1165,66 @@ def _relay_start(rm: dict[str, np.ndarray], rg: dict[str, np.ndarray], arrival: 
     return rm["round"] + np.maximum(shift, 0)
 
 
+def _window_bucket(options: PlanOptions, bucket: int, dst: Layout) -> tuple[PlanOptions, int]:
+    """The options and bucket messages are planned with: a bounded destination (a receive window,
+    half its pool) gets messages of at most half its window, direct ones included, so that a
+    round keeps to the window and a primary holds a message or two it has yet to relay."""
+    w = dst.receive_window // 2
+    if not w or (bucket <= w and options.max_message_bytes <= w):
+        return options, bucket
+    w = max(ALIGN, w // ALIGN * ALIGN)
+    return dataclasses.replace(options, bucket_bytes=min(options.bucket_bytes, w),
+                               max_message_bytes=min(options.max_message_bytes, w)), min(bucket, w)
+
+
+def _relay_pace(T, units: dict, subset, D: int, name_rank: np.ndarray, options: PlanOptions,
+                bucket: int) -> dict[int, int]:
+    """Primary rank -> the bytes a round its relay chain forwards, on average (its relay messages'
+    bytes over their rounds): what a bounded primary may receive a round without falling behind."""
+    out: dict[int, int] = {}
+    for ranks, (bufs, _) in units.items():
+        rg = _relay_segments(T, bufs, subset, D)
+        if not len(rg["tensor"]):
+            continue
+        rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+        rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+        _, rm = _messages(rg, name_rank, options, bucket)
+        rate = max(1, int(rm["nbytes"].sum()) // (int(rm["round"].max()) + 1))
+        out[ranks[0]] = min(out.get(ranks[0], rate), rate)
+    return out
+
+
 def _windowed_rounds(g: dict[str, np.ndarray], m: dict[str, np.ndarray], name_rank: np.ndarray, window: int,
-                     bucket: int) -> np.ndarray:
+                     bucket: int, pace: dict[int, int] | None = None) -> np.ndarray:
     """Rounds for a destination that holds at most about `window` bytes of an update at once
     (bounded staging): each destination rank's messages, from every sender, in the order of the
     buffers they write (natural buffer order, then offset), fill rounds of `window` bytes, and
     a pair keeps to one bucket a round (a larger message alone) and to its own order. So no
     sender runs ahead through later buffers while another still sends earlier ones, and each
-    buffer completes within a round or two of its first bytes."""
+    buffer completes within a round or two of its first bytes. A primary that relays (`pace`:
+    rank -> bytes a round) fills its rounds only to what its chain forwards a round."""
     n = len(m["src"])
     if not n:
         return m["round"]
+    pace = pace or {}
     first = m["lo"]
     order = np.lexsort((m["tag"], m["src"], g["dstart"][first], np.take(name_rank, g["dbuf"][first]), m["dst"]))
     out = np.empty(n, dtype=np.int64)
     win: dict[int, tuple[int, int]] = {}  # destination -> (its current round, bytes placed in it)
     pair: dict[tuple[int, int], tuple[int, int]] = {}  # (src, dst) -> (its last round, bytes in it)
+    total: dict[int, int] = defaultdict(int)  # a paced destination -> bytes placed so far
     for i, s, d, b in zip(order.tolist(), m["src"][order].tolist(), m["dst"][order].tolist(), m["nbytes"][order].tolist()):
         wr, used = win.get(d, (0, 0))
         lr, fill = pair.get((s, d), (0, 0))
         r = max(wr, lr)
         if r == lr and fill and fill + b > bucket:
             r += 1
+        p = min(pace[d], max(1, window // 2)) if d in pace else 0
+        if p:
+            # What has arrived by the end of round r stays within what the chain forwards by then, and
+            # within half the window a round: a buffer leaves a round or two after its last bytes came
+            total[d] += b
+            r = max(r, -(-total[d] // p) - 1)
         fill = fill + b if r == lr else b
         if r > wr:
             wr, used = r, 0

@@ -19,7 +19,8 @@ What vLLM's CPU build (0.32) runs, and what it does not:
   dummy batch a data-parallel MoE engine runs when /pause wakes it (so the update is driven by
   vLLM's start/update/finish routes without /pause). Checked by the loader.
 - Dense data parallelism (2 replicas, one process each, by an external launcher): vLLM generates
-  there; tokens are compared with Hugging Face's. The backend numbers those ranks wrongly today
+  there; tokens are compared with Hugging Face's, staged on the device and staged bounded (relays
+  through the pools). The backend numbers those ranks wrongly today
   (see the test), and the test says so until integrations/vllm/engine.py is fixed.
 - A second claim of a live rank: refused with the holder's pid (two single-rank vLLMs)."""
 
@@ -184,6 +185,49 @@ def test_data_parallel_2_replicas_tokens_equal_hf(tmp_path):
         assert set(r["tensors"]) == names
         for name, b in r["buffers"].items():
             assert b["shift_layer_eq"] is not b["layer"], (r["rank"], name, b)
+    plan = ranks[0]["plan"]
+    assert plan["source_bytes"] == plan["relay_bytes"] == model_bytes and plan["total_bytes"] == 2 * model_bytes, plan
+    for update, sent in res["sent"].items():
+        assert sum(sent.values()) == model_bytes, (update, sent)
+
+
+@vllm_engines
+def test_data_parallel_2_bounded_replicas_relay_through_their_pools(tmp_path):
+    """The same 2 replicas staging bounded (the backend's default) through a 1.5 MiB pool, less than
+    a rank's weights: each byte still leaves the trainer once (replica 1 gets everything by relay
+    from replica 0, which keeps a buffer in its pool until forwarded), both replicas' greedy tokens
+    equal Hugging Face's after each of 2 updates, and each rank held less than its weights at once.
+    Negative control: the layout shifted by one layer disagrees with vLLM's loader."""
+    res, out = drive(tmp_path, "dp-bounded")
+    assert not res["init_errors"], res["init_errors"]
+    names, model_bytes = weights_bytes(tmp_path / "step2.pt")
+    assert [u["step"] for u in res["updates"]] == [1, 2]
+    seen = set()
+    for u in res["updates"]:
+        ref = hf_reference(res["config"], torch.load(tmp_path / f"step{u['step']}.pt"), res["prompts"],
+                           len(u["replicas"][0]["generations"][0]["tokens"]))
+        for i, rep in enumerate(u["replicas"]):
+            assert rep["version"] == rep["weight_version"] == f"rl:{u['step']}", rep
+            for (tokens, lps), got in zip(ref, rep["generations"]):
+                assert got["tokens"] == tokens, f"step {u['step']} replica {i}: vLLM {got['tokens']} != HF {tokens}"
+                assert max(abs(a - b) for a, b in zip(got["logprobs"], lps)) < LOGPROB_TOL
+        seen.add(tuple(u["replicas"][0]["generations"][0]["tokens"]))
+    assert len(seen) == 2, "the generations did not change between steps: the updates did not take effect"
+    check_status(res["status"], 2, 2)
+    ranks = sorted(res["ranks"], key=lambda r: r["rank"])
+    assert [(r["rank"], r["world"], r["data_parallel_index"]) for r in ranks] == [(0, 2, 0), (1, 2, 1)]
+    for r in ranks:
+        assert r["loaded"] == ["rl", 2] and set(r["tensors"]) == names
+        for name, b in r["buffers"].items():
+            assert b["loader_wrote_all"] and b["loader_eq_layout"], (r["rank"], name, b)
+            assert b["staged_eq_loader"] is None, "a bounded rank keeps no copy of its weights"
+            assert b["shift_layer_eq"] is not b["layer"], (r["rank"], name, b)
+        mem = r["memory"]
+        print(f"rank {r['rank']}: weights {r['weights_bytes']} B, memory {mem}")
+        assert mem["pool"] < r["weights_bytes"], (mem, r["weights_bytes"])
+        # What it held at once (the pool's high water, and a buffer that did not fit beside it) stayed
+        # under its weights: the primary did not keep the rank until forwarded (unpaced relays did)
+        assert mem["pool_high_water"] + mem["pool_overflow"] < r["weights_bytes"], (r["rank"], mem)
     plan = ranks[0]["plan"]
     assert plan["source_bytes"] == plan["relay_bytes"] == model_bytes and plan["total_bytes"] == 2 * model_bytes, plan
     for update, sent in res["sent"].items():

@@ -34,8 +34,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 EXTENSION = "vllm_topology.TopologyCheck"  # importable in vLLM's workers: PYTHONPATH holds HERE (set below)
 
-# Staged on the device (the backend's default before bounded): these topologies relay between replicas
-# and stages, which a bounded rank's plan does not (it receives in a window, without relays).
+# Staged on the device (the backend's default before bounded), for the topologies tested before
+# bounded ranks took relays; `dp-bounded` runs the data-parallel replicas bounded.
 STAGED = {"staging": "staged", "staging_device": "device"}
 
 
@@ -120,7 +120,8 @@ class TopologyCheck:
             bufs[b.name] = {
                 "loader_wrote_all": not bool(torch.isnan(got[held]).any()),
                 "loader_eq_layout": torch.equal(got[held], w0[held]),
-                "staged_eq_loader": torch.equal(st[held].to(got.dtype), got[held]),
+                # bounded: no copy here (the pool's space went to the next module); tokens tell
+                "staged_eq_loader": None if st.is_meta else torch.equal(st[held].to(got.dtype), got[held]),
                 "padding": int((~held).sum()),
                 "layer": b.name.startswith("model.layers."),
                 "experts": sorted({e for p in b.pieces for e in range(p.box.offset[0], p.box.end[0])})
@@ -140,7 +141,8 @@ class TopologyCheck:
                "data_parallel_index": pc.data_parallel_index, "pp_rank": pc.rank // pc.tensor_parallel_size,
                "tensors": sorted({p.tensor for b in lay.buffers for p in b.pieces}),
                "held_bytes": sum(p.box.numel * getattr(torch, b.dtype).itemsize for b in lay.buffers for p in b.pieces),
-               "buffers": bufs, "plan": plan}
+               "buffers": bufs, "plan": plan, "memory": eng.worker.memory_report(),
+               "weights_bytes": sum(b.nbytes for b in lay.buffers)}
         with open(os.path.join(out_dir, f"check-rank{eng.rank}.json"), "w") as f:
             json.dump(out, f)
         return out
@@ -372,7 +374,7 @@ def post(url: str, path: str, body: dict | None, method: str = "POST"):
     return json.loads(data) if data else None
 
 
-def replica(rank: int, world: int, port: int, model_dir: str, controller: str, cmds, results) -> None:
+def replica(rank: int, world: int, port: int, model_dir: str, controller: str, cmds, results, init: dict) -> None:
     """One vLLM process of a deployment started by an external launcher (torchrun sets these)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from vllm import LLM, SamplingParams
@@ -383,7 +385,7 @@ def replica(rank: int, world: int, port: int, model_dir: str, controller: str, c
     llm = LLM(model=model_dir, tensor_parallel_size=1, data_parallel_size=world, distributed_executor_backend="external_launcher",
               **ENGINE_ARGS)
     try:
-        llm.init_weight_transfer_engine({"init_info": {"controller": controller, "connect_timeout": 20, **STAGED}})
+        llm.init_weight_transfer_engine({"init_info": {"controller": controller, "connect_timeout": 20, **init}})
     except Exception as e:  # noqa: BLE001 - the driver reports it
         results.put((rank, "init", f"{type(e).__name__}: {e}"))
         return
@@ -404,8 +406,12 @@ def replica(rank: int, world: int, port: int, model_dir: str, controller: str, c
     llm.shutdown_weight_transfer_engine()
 
 
-def run_dp(out: str, steps: int = 2) -> dict:
-    """2 data-parallel replicas (TP 1), one process each, as an external launcher starts them."""
+BOUNDED_POOL = 3 << 19  # 1.5 MiB: less than a rank's weights (2.3 MB in float32)
+
+
+def run_dp(out: str, steps: int = 2, init: dict | None = None) -> dict:
+    """2 data-parallel replicas (TP 1), one process each, as an external launcher starts them
+    (staged on the device, or as `init` says)."""
     import torch.multiprocessing as mp
     from vllm_fsdp2 import CONFIGS, PROMPTS, free_port
 
@@ -415,7 +421,9 @@ def run_dp(out: str, steps: int = 2) -> dict:
     ctx = mp.get_context("spawn")
     cmds, results = [ctx.Queue() for _ in range(2)], ctx.Queue()
     port = free_port()
-    reps = [ctx.Process(target=replica, args=(r, 2, port, model_dir, ctl.inf_workers, cmds[r], results)) for r in range(2)]
+    init = STAGED if init is None else init
+    reps = [ctx.Process(target=replica, args=(r, 2, port, model_dir, ctl.inf_workers, cmds[r], results, init))
+            for r in range(2)]
     res = {"config": CONFIGS["llama"], "prompts": PROMPTS, "updates": []}
 
     def gather(kind: str) -> dict:
@@ -550,6 +558,7 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], os.path.abspath(sys.argv[2])
     os.makedirs(out, exist_ok=True)
     os.environ["PYTHONPATH"] = os.pathsep.join([HERE, EXAMPLES, *filter(None, [os.environ.get("PYTHONPATH")])])
-    result = {"pp": run_pp, "dp-ep": run_dp_ep, "dp": run_dp, "duplicate": run_duplicate, "torn": run_torn}[mode](out)
+    result = {"pp": run_pp, "dp-ep": run_dp_ep, "dp": run_dp, "duplicate": run_duplicate, "torn": run_torn,
+              "dp-bounded": lambda o: run_dp(o, init={"staging": "bounded", "pool_bytes": BOUNDED_POOL})}[mode](out)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)

@@ -129,14 +129,47 @@ def test_space_first_fit_and_coalescing():
     assert s.free[0] == (0, 2048) and s.take(2000) == 0
 
 
+def _exact(results) -> None:
+    for dst, d, staging, loaded, order, _ in results:
+        assert set(loaded) == {b.name for b in dst.ranks[d]}
+        for b in dst.ranks[d]:
+            want = torch.zeros(b.shape, dtype=dtype_of(b.dtype))
+            for p in b.pieces:
+                p.view(want).copy_(tensor_value(SEED, p.tensor, 0, dst.tensors[p.tensor].shape, want.dtype)[p.box.slices()])
+            assert torch.equal(loaded[b.name], want), f"rank {d} buffer {b.name}"
+
+
 def test_relays_hold_what_is_still_to_be_relayed():
-    """With relays, a primary keeps each buffer until it has forwarded it, and forwarding runs one
-    bucket a round behind three senders: most of the rank is held (why bounded plans no relays).
-    Still exact, and what overflowed is counted, not lost."""
+    """Without a receive window, a primary keeps each buffer until it has forwarded it, and
+    forwarding runs one bucket a round behind three senders: most of the rank is held. Still exact,
+    and what overflowed is counted, not lost."""
     _, results = _run(MODEL, "framework=fsdp,dp=3", "framework=vllm,tp=2,dp=2", 96 << 10, bucket=16 << 10)
     primary = results[0][2]
     assert primary.overflow_bytes > 0 and primary.high_water > 96 << 10
-    assert all(set(r[3]) == {b.name for b in r[0].ranks[r[1]]} for r in results)
+    _exact(results)
+
+
+@pytest.mark.parametrize("src_spec,dst_spec,bucket", [("framework=fsdp,dp=3", "framework=vllm,tp=2,dp=2", 16 << 10),
+                                                      ("framework=megatron,tp=2", "framework=vllm,tp=1,dp=3", 16 << 10)])
+def test_bounded_replicas_take_their_bytes_by_relay_within_the_pool(src_spec, dst_spec, bucket):
+    """Bounded ranks in data-parallel replicas (a receive window): each byte leaves the trainer once
+    (the other replicas get it by relay, along a chain), and every rank, primaries included, holds
+    at most its pool: the primary receives a bucket a round, the pace at which it forwards. The
+    same plan without the window's pacing (relays, no window) overflowed above."""
+    pool = 96 << 10
+    plan, results = _run(MODEL, src_spec, dst_spec, pool, bucket=bucket, window=pool // 2)
+    dst = results[0][0]
+    # One replica's bytes: the pieces of each distinct rank (replicas hold the same buffers), counted
+    # from the layout, apart from the plan
+    replicas = {tuple((b.name, b.pieces) for b in rank): rank for rank in reversed(dst.ranks)}
+    one_replica = sum(p.box.numel * dtype_of(b.dtype).itemsize for rank in replicas.values() for b in rank for p in b.pieces)
+    assert len(replicas) < dst.world
+    from_trainer = sum(m.nbytes for m in plan.messages if not m.relay)
+    assert any(m.relay for m in plan.messages), "no relays: each replica took its bytes from the trainer"
+    assert from_trainer == one_replica, (from_trainer, one_replica)
+    _exact(results)
+    for dst, d, staging, *_ in results:
+        assert staging.overflow_bytes == 0 and staging.high_water <= pool, (d, staging.high_water, staging.overflow_bytes)
 
 
 @pytest.mark.parametrize("model,src_spec,dst_spec,pool,bucket", [
@@ -146,11 +179,10 @@ def test_relays_hold_what_is_still_to_be_relayed():
     ("small", "framework=megatron,tp=2", "framework=vllm,tp=4", 1536 << 10, 32 << 10)])
 def test_a_receive_window_keeps_every_sender_to_the_buffers_in_order(model, src_spec, dst_spec, pool, bucket):
     """The destination's layout declares a receive window (half its pool): the plan sends its
-    buffers in order from every sender and without relays, so what is held stays within the pool
+    buffers in order from every sender, so what is held stays within the pool
     (the same pairs without the window held far more: one sender ran ahead through the layers
     while another still sent the embedding, or a primary kept what it had yet to relay)."""
     plan, results = _run(model, src_spec, dst_spec, pool, bucket=bucket, window=pool // 2)
-    assert not any(m.relay for m in plan.messages)
     for dst, d, staging, loaded, order, _ in results:
         assert set(loaded) == {b.name for b in dst.ranks[d]}
         for b in dst.ranks[d]:
@@ -159,5 +191,5 @@ def test_a_receive_window_keeps_every_sender_to_the_buffers_in_order(model, src_
                 p.view(want).copy_(tensor_value(SEED, p.tensor, 0, dst.tensors[p.tensor].shape, want.dtype)[p.box.slices()])
             assert torch.equal(loaded[b.name], want), f"rank {d} buffer {b.name}"
         assert staging.overflow_bytes == 0 and staging.high_water <= pool, (d, staging.high_water, staging.overflow_bytes)
-    _, unwindowed = _run(model, src_spec, dst_spec, pool, bucket=bucket, relay=False)
+    _, unwindowed = _run(model, src_spec, dst_spec, pool, bucket=bucket)
     assert max(r[2].high_water for r in unwindowed) > max(r[2].high_water for r in results), "the window changed nothing"
