@@ -152,19 +152,10 @@ def test_expert_parallel_over_2_data_parallel_replicas(tmp_path):
     assert plan["relay_bytes"] == plan["total_bytes"] - model_bytes > 0 and plan["relay_messages"] > 0, plan
 
 
-@vllm_engines
-def test_data_parallel_2_replicas_tokens_equal_hf(tmp_path):
-    """2 data-parallel replicas (TP 1), one process each, as an external launcher (torchrun) starts
-    them: after each of 2 updates both replicas' greedy tokens equal Hugging Face's with the
-    trainer's weights, vLLM's loader agrees with what each received, and the second replica got
-    everything by relay: each byte left the trainer once. Negative control: the layout shifted by
-    one layer disagrees with the loader.
-
-    (Before, the backend numbered these ranks 0 and 3 of 4: under an external launcher vLLM's rank
-    and world already span the replicas, and the controller refused them.)"""
-    res, out = drive(tmp_path, "dp")
-    assert not res["init_errors"], res["init_errors"]
-    names, model_bytes = weights_bytes(tmp_path / "step2.pt")
+def check_replicas(res: dict, tmp_path) -> list[dict]:
+    """2 updates to 2 data-parallel replicas: after each, both replicas serve the version and their
+    greedy tokens equal Hugging Face's with the trainer's weights (which changed the tokens);
+    every rank attached once. Returns the ranks' checks, by rank."""
     assert [u["step"] for u in res["updates"]] == [1, 2]
     seen = set()
     for u in res["updates"]:
@@ -180,6 +171,23 @@ def test_data_parallel_2_replicas_tokens_equal_hf(tmp_path):
     check_status(res["status"], 2, 2)
     ranks = sorted(res["ranks"], key=lambda r: r["rank"])
     assert [(r["rank"], r["world"], r["data_parallel_index"]) for r in ranks] == [(0, 2, 0), (1, 2, 1)]
+    return ranks
+
+
+@vllm_engines
+def test_data_parallel_2_replicas_tokens_equal_hf(tmp_path):
+    """2 data-parallel replicas (TP 1), one process each, as an external launcher (torchrun) starts
+    them: after each of 2 updates both replicas' greedy tokens equal Hugging Face's with the
+    trainer's weights, vLLM's loader agrees with what each received, and the second replica got
+    everything by relay: each byte left the trainer once. Negative control: the layout shifted by
+    one layer disagrees with the loader.
+
+    (Before, the backend numbered these ranks 0 and 3 of 4: under an external launcher vLLM's rank
+    and world already span the replicas, and the controller refused them.)"""
+    res, out = drive(tmp_path, "dp")
+    assert not res["init_errors"], res["init_errors"]
+    names, model_bytes = weights_bytes(tmp_path / "step2.pt")
+    ranks = check_replicas(res, tmp_path)
     check_ranks(ranks, 2)
     for r in ranks:
         assert set(r["tensors"]) == names
@@ -201,21 +209,7 @@ def test_data_parallel_2_bounded_replicas_relay_through_their_pools(tmp_path):
     res, out = drive(tmp_path, "dp-bounded")
     assert not res["init_errors"], res["init_errors"]
     names, model_bytes = weights_bytes(tmp_path / "step2.pt")
-    assert [u["step"] for u in res["updates"]] == [1, 2]
-    seen = set()
-    for u in res["updates"]:
-        ref = hf_reference(res["config"], torch.load(tmp_path / f"step{u['step']}.pt"), res["prompts"],
-                           len(u["replicas"][0]["generations"][0]["tokens"]))
-        for i, rep in enumerate(u["replicas"]):
-            assert rep["version"] == rep["weight_version"] == f"rl:{u['step']}", rep
-            for (tokens, lps), got in zip(ref, rep["generations"]):
-                assert got["tokens"] == tokens, f"step {u['step']} replica {i}: vLLM {got['tokens']} != HF {tokens}"
-                assert max(abs(a - b) for a, b in zip(got["logprobs"], lps)) < LOGPROB_TOL
-        seen.add(tuple(u["replicas"][0]["generations"][0]["tokens"]))
-    assert len(seen) == 2, "the generations did not change between steps: the updates did not take effect"
-    check_status(res["status"], 2, 2)
-    ranks = sorted(res["ranks"], key=lambda r: r["rank"])
-    assert [(r["rank"], r["world"], r["data_parallel_index"]) for r in ranks] == [(0, 2, 0), (1, 2, 1)]
+    ranks = check_replicas(res, tmp_path)
     for r in ranks:
         assert r["loaded"] == ["rl", 2] and set(r["tensors"]) == names
         for name, b in r["buffers"].items():
