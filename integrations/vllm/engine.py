@@ -239,6 +239,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         self.info: ReshardInitInfo | None = None
         self.host: dict[str, torch.Tensor] | None = None  # staged in host memory: the copy vLLM loads from
         self._loaded_now = 0  # bounded: modules loaded by the update in flight (a failure leaves them torn)
+        self._loading_s = 0.0  # bounded: seconds those loads took (inside the transfer)
 
     # -- vLLM's calls ------------------------------------------------------------------
     def init_transfer_engine(self, info: ReshardInitInfo) -> None:
@@ -298,7 +299,7 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         timeout = info.timeout or self.info.timeout
         run = info.run or self.info.run or None
         t_wait = time.perf_counter()
-        self._loaded_now = 0
+        self._loaded_now, self._loading_s = 0, 0.0
         self._update_called.set()  # bounded: the transfer may load into the model from now on
         try:
             version = w.wait_for_version(max(info.step, 0), run, timeout)
@@ -330,8 +331,13 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
             w.dirty = set()
             self.loaded = (v.run, v.step)
         self.last_load_seconds = time.perf_counter() - t0
-        log.info("vLLM rank %d: loaded %s:%d into the model (%d modules, %.3f s; waited %.3f s for the commit)",
-                 self.rank, v.run, v.step, n, self.last_load_seconds, t_wait)
+        if n or not self._loaded_now:
+            log.info("vLLM rank %d: loaded %s:%d into the model (%d modules, %.3f s; waited %.3f s for the commit)",
+                     self.rank, v.run, v.step, n, self.last_load_seconds, t_wait)
+        else:  # bounded: loaded module by module as the transfer went
+            log.info("vLLM rank %d: loaded %s:%d into the model (%d modules as they arrived, %.3f s of loading within "
+                     "the %.3f s from the update call to the commit)", self.rank, v.run, v.step, self._loaded_now,
+                     self._loading_s, t_wait)
 
     def finish_weight_update(self) -> None:
         pass
@@ -410,9 +416,11 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
     @torch.no_grad()
     def _load_group(self, tensors: dict[str, torch.Tensor]) -> None:
         """Bounded: load a complete group of buffers (the modules that hold them) into the model."""
+        t0 = time.perf_counter()
         mods = list(dict.fromkeys(t.module for t in self.layout.targets if t.buffer in tensors))
         self._touched_moe += self._load_modules(mods, tensors, scratch=True)
         self._loaded_now += len(mods)
+        self._loading_s += time.perf_counter() - t0
 
     def _end_reload(self) -> None:
         """Bounded, at commit or abort: vLLM's reload is finished (modules not loaded get their
