@@ -53,14 +53,23 @@ def drive(tmp_path, mode: str, timeout: float = 280) -> tuple[dict, str]:
     t0 = time.monotonic()
     p = subprocess.Popen([sys.executable, HELPER, mode, str(tmp_path)], cwd=tmp_path, env=env, start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timed_out = False
     try:
         out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)  # vLLM's engine processes, a server, controllers, trainers
         except ProcessLookupError:
             pass
-        p.wait()
+    if timed_out:  # what it printed until then says where it stood
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipe
+            out = "(no output: a process outside the driver's group kept its pipe open)"
+        pytest.fail(f"{mode}: the driver ran past {timeout:.0f} s:\n{out[-8000:]}")
+    p.wait()
     print(f"{mode}: {time.monotonic() - t0:.0f} s")
     assert p.returncode == 0, out[-8000:]
     return json.loads((tmp_path / "result.json").read_text()), out
