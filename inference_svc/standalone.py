@@ -50,13 +50,12 @@ def serve_forever(worker: InferenceWorker, stop: threading.Event, interval: floa
     # A small matrix-vector product over the first rows of this rank's first 2-D buffer, looked up in
     # `worker.live` at each step (a shadow commit swaps the copies: see InferenceWorker's `flip`).
     name = next(n for n, t in worker.live.items() if t.dim() >= 2)
-    x = None
+    w = worker.live[name].flatten(1)
+    x = torch.ones(w.shape[1], dtype=torch.float32, device=w.device)
     while not stop.is_set():
         with worker.serving() as version:
             if version is not None:
                 w = worker.live[name].flatten(1)
-                if x is None:
-                    x = torch.ones(w.shape[1], dtype=torch.float32, device=w.device)
                 _ = torch.mv(w[:64].float(), x).sum().item()
                 worker.record_request(version)
         stop.wait(interval)

@@ -761,12 +761,14 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     for tbl in (S, T):               # source table's piece columns freed (the plan no longer needs them)
         tbl.hash_buffers(layouts_hash)
     del S, s_off, s_size, s_strides
-    g, m = _messages(g, name_rank, *_window_bucket(options, bucket, dst))
+    m_opts, m_bucket = _window_bucket(options, bucket, dst)
+    g, m = _messages(g, name_rank, m_opts, m_bucket)
+    relay_msgs: dict[bytes, tuple[dict, dict]] = {}  # relay templates' messages planned for the pace, by key
     if dst.receive_window:
         # With replicas, a bounded primary receives at the pace its relay chain forwards, so what it
         # holds until forwarded stays a few rounds' bytes (not the rank's weights)
-        pace = _relay_pace(T, units, subset, D, name_rank, *_window_bucket(options, bucket, dst)) if options.relay else {}
-        m["round"] = _windowed_rounds(g, m, name_rank, dst.receive_window, _window_bucket(options, bucket, dst)[1], pace)
+        pace = _relay_pace(T, units, subset, D, name_rank, m_opts, m_bucket, relay_msgs)
+        m["round"] = _windowed_rounds(g, m, name_rank, dst.receive_window, m_bucket, pace)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     peers = max(1, options.staging_limit // (2 * bucket))
     relaying = bool(units)
@@ -789,14 +791,12 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
             rg = _relay_segments(T, bufs, subset, D)
             if not len(rg["tensor"]):
                 continue
-            key = b"".join(np.ascontiguousarray(rg[k]).tobytes() for k in SEG_KEYS)
+            key = _segments_key(rg)
             hit = templates.get(key)
             if hit is not None:
                 rg, rm, base = hit
             else:
-                rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-                rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-                rg, rm = _messages(rg, name_rank, *_window_bucket(options, bucket, dst))
+                rg, rm = relay_msgs.pop(key, None) or _relay_messages(rg, name_rank, m_opts, m_bucket)
                 base = nseg
                 templates[key] = (rg, rm, base)
                 seg_parts.append(rg)
@@ -1177,18 +1177,33 @@ def _window_bucket(options: PlanOptions, bucket: int, dst: Layout) -> tuple[Plan
                                max_message_bytes=min(options.max_message_bytes, w)), min(bucket, w)
 
 
-def _relay_pace(T, units: dict, subset, D: int, name_rank: np.ndarray, options: PlanOptions,
-                bucket: int) -> dict[int, int]:
+def _segments_key(rg: dict[str, np.ndarray]) -> bytes:
+    """Equal relay segments (a template planned once) have equal keys."""
+    return b"".join(np.ascontiguousarray(rg[k]).tobytes() for k in SEG_KEYS)
+
+
+def _relay_messages(rg: dict[str, np.ndarray], name_rank: np.ndarray, options: PlanOptions,
+                    bucket: int) -> tuple[dict, dict]:
+    """A relay template's segments in message order, and its messages (one pair: keys 0)."""
+    rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+    rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
+    return _messages(rg, name_rank, options, bucket)
+
+
+def _relay_pace(T, units: dict, subset, D: int, name_rank: np.ndarray, options: PlanOptions, bucket: int,
+                planned: dict[bytes, tuple[dict, dict]]) -> dict[int, int]:
     """Primary rank -> the bytes a round its relay chain forwards, on average (its relay messages'
-    bytes over their rounds): what a bounded primary may receive a round without falling behind."""
+    bytes over their rounds): what a bounded primary may receive a round without falling behind.
+    Each template's messages go into `planned` (by key), for the relays to take as they are."""
     out: dict[int, int] = {}
     for ranks, (bufs, _) in units.items():
         rg = _relay_segments(T, bufs, subset, D)
         if not len(rg["tensor"]):
             continue
-        rg["ps"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-        rg["pd"] = np.zeros(len(rg["tensor"]), dtype=np.int64)
-        _, rm = _messages(rg, name_rank, options, bucket)
+        key = _segments_key(rg)
+        if key not in planned:
+            planned[key] = _relay_messages(rg, name_rank, options, bucket)
+        rm = planned[key][1]
         rate = max(1, int(rm["nbytes"].sum()) // (int(rm["round"].max()) + 1))
         out[ranks[0]] = min(out.get(ranks[0], rate), rate)
     return out

@@ -240,6 +240,8 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
         self.host: dict[str, torch.Tensor] | None = None  # staged in host memory: the copy vLLM loads from
         self._loaded_now = 0  # bounded: modules loaded by the update in flight (a failure leaves them torn)
         self._loading_s = 0.0  # bounded: seconds those loads took (inside the transfer)
+        self._freed = 0  # bytes of modules loaded since the C heap's freed pages last went back (CPU)
+        self._targets_of: tuple | None = None  # (layout, module -> its targets, tied buffers): see _targets
 
     # -- vLLM's calls ------------------------------------------------------------------
     def init_transfer_engine(self, info: ReshardInitInfo) -> None:
@@ -462,9 +464,6 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
                     release_freed_heap()
                     self._freed = 0
         return moe
-
-    _freed = 0  # bytes of modules loaded since the C heap's freed pages last went back (CPU)
-    _targets_of = None
 
     def _targets(self) -> tuple[dict[str, list], set[str]]:
         """(module -> its targets, the buffers several targets load: tied weights, each module

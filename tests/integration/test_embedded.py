@@ -41,7 +41,8 @@ def _recording(emit, into: list):
     return record
 
 
-@pytest.mark.parametrize("snapshot", [False, True])
+# slow without a snapshot (the quick suite's time: 4 s); the snapshot case runs the same path and more
+@pytest.mark.parametrize("snapshot", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_embedded_workers_publish_and_commit(snapshot):
     cfg = model_config("tiny")
     inf, tr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

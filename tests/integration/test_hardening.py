@@ -224,6 +224,7 @@ class CuttableProxy:
         self.cut()
 
 
+@pytest.mark.slow  # the quick suite's time: 4-6 s
 def test_a_trainer_worker_that_reattaches_after_its_update_failed_gets_its_release():
     """Item 4: the update fails because a trainer worker's connection broke mid-transfer; the Release
     of that version goes to the workers attached then. The one that reattaches must get it too, or

@@ -686,6 +686,7 @@ def _capture_server():
     return server, f"127.0.0.1:{port}", seen
 
 
+@pytest.mark.slow  # the quick suite's time: 4-6 s
 def test_each_process_sends_and_passes_on_only_its_own_roles_token(pki, tmp_path):
     """A trainer controller that holds every role's token (its --tokens-dir, as docker-compose runs
     it, and a token file) calls inference with the peer token only, even for a call an operator's

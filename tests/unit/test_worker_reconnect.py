@@ -10,6 +10,7 @@ import logging
 import tempfile
 import time
 
+import pytest
 import torch
 
 from reshard.common.control.hub import WorkerHub
@@ -28,6 +29,7 @@ async def _serve(hub: WorkerHub, address: str):
     return await start_server(address, register, worker_tokens=[])
 
 
+@pytest.mark.slow  # the quick suite's time: 4-6 s
 def test_a_worker_attaches_again_soon_after_its_controller_and_warns_once(caplog):
     address = f"unix:{tempfile.mkdtemp(prefix='reshard-reconnect-')}/w.sock"
     spec = TensorSpec("w", (4, 4), "float32")
