@@ -120,12 +120,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def cluster():
+def _start_cluster():
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 8}, "include_dashboard": False})
-    c.add_node(num_cpus=2, resources={"node1": 8})
+    c = Cluster()
+    try:
+        c.add_node(num_cpus=2, resources={"node0": 8}, include_dashboard=False)
+        c.add_node(num_cpus=2, resources={"node1": 8})
+    except Exception:
+        c.shutdown()  # what did start goes, before another try
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One two-node cluster for the module's tests. Ray gives a raylet a fixed 30 s to register
+    with its GCS; on a loaded machine a node's start can miss it, so a start that times out is
+    torn down and tried once more (a second failure fails the tests)."""
+    try:
+        c = _start_cluster()
+    except Exception as e:  # Ray raises a bare Exception for the startup timeout
+        if "timed out during startup" not in str(e):
+            raise
+        time.sleep(2)
+        c = _start_cluster()
     ray.init(address=c.address, namespace="reshard-test", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, "RESHARD_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}})
     try:
