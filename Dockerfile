@@ -43,6 +43,7 @@ COPY common ./common
 COPY tools ./tools
 COPY trainer_svc ./trainer_svc
 COPY inference_svc ./inference_svc
+COPY integrations ./integrations
 COPY proto ./proto
 
 # The tls extra (cryptography) is what `reshard certs` needs: docker-compose.yml issues its certificates

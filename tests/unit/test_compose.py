@@ -493,6 +493,29 @@ def test_dockerfile():
     assert by["USER"][-1] not in ("root", "0")
 
 
+def _package_dirs() -> set[str]:
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return set(cfg["tool"]["setuptools"]["package-dir"].values())
+
+
+def test_dockerfile_copies_every_package_folder_before_installing():
+    """`pip install .` in the image needs every folder pyproject.toml maps into the package (a
+    folder added later and left out of the COPY lines breaks the build)."""
+    ins = dockerfile_instructions()
+    install = next(i for i, (w, r) in enumerate(ins) if w == "RUN" and 'pip install ".[' in r)
+    copied = {r.split()[0].rstrip("/") for w, r in ins[:install] if w == "COPY"}
+    missing = _package_dirs() - copied
+    assert not missing, f"the Dockerfile does not copy {sorted(missing)} before `pip install .`"
+
+
+def test_the_makefile_compiles_every_package_folder():
+    text = (ROOT / "Makefile").read_text()
+    dirs = set(re.search(r"^PKG_DIRS := (.+)$", text, re.M).group(1).split())
+    assert dirs == _package_dirs()
+
+
 def test_dockerfile_prepares_the_certs_folder_for_its_user(parsed):
     # A new named volume takes the owner of the image's folder at its mount point; without one the
     # folder would be root's and `reshard certs`, running as the image's user, could not write it.
