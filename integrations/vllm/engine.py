@@ -206,6 +206,30 @@ def release_freed_heap() -> None:
         _TRIM[0](0)
 
 
+def _torn_kernel(*_a, **_k):
+    raise RuntimeError(f"reshard: {TORN}: this layer's CPU kernel was released for a reload that did not finish; "
+                       "generate nothing from this model until a full update commits")
+
+
+# vLLM's methods whose CPU processing always makes the layer's kernel anew (`cpu_linear`, through
+# dispatch_cpu_unquantized_gemm), for a 2-D weight
+_CPU_KERNEL_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
+def release_cpu_kernel(layer: torch.nn.Module, weights: list[torch.Tensor]) -> bool:
+    """Bounded, on CPU: drop a layer's packed CPU kernel (vLLM's `cpu_linear`, which holds a packed
+    copy of the weight) before vLLM's processing makes the new one, so that the two never exist at
+    once: for the largest module (an LM head) that was a transient of its whole size on top of the
+    pool. Only for the methods that always make it anew; until they do, the layer raises (a torn
+    rank serves nothing). Returns whether it did."""
+    method = getattr(layer, "quant_method", None)
+    if (type(method).__name__ not in _CPU_KERNEL_METHODS or not hasattr(layer, "cpu_linear")
+            or any(w.dim() != 2 for w in weights)):
+        return False
+    layer.cpu_linear = _torn_kernel
+    return True
+
+
 def alias_param(layer: torch.nn.Module, target, tensor: torch.Tensor) -> bool:
     """Bounded: make a parameter vLLM's reload has not materialized yet a view of its buffer in the
     pool, in place of a fresh tensor and a copy (vLLM's processing reads it, and copies what it
@@ -455,7 +479,10 @@ class ReshardEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
                 if t.param not in aliased:
                     load_target(layer, t, staged[t.buffer])
                 self.known.add(t.buffer)
+            released = host_heap and scratch and release_cpu_kernel(layer, [staged[t.buffer] for t in by_module[m]])
             _layerwise_process(layer, info)
+            if released and getattr(layer, "cpu_linear", None) is _torn_kernel:
+                raise RuntimeError(f"vLLM rank {self.rank}: vLLM's processing of {m} made no CPU kernel ({TORN})")
             if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:
                 moe.append(layer)
             if host_heap:  # counted across calls: bounded loads a group at a time
