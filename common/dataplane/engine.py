@@ -273,12 +273,14 @@ class Engine:
             for m, role, buf in current:
                 if role == "recv" and self._staged(m, role):
                     unpack(m, self._recv_buffers(m), buf)
-            if not ordered:
-                landed(i, current)
             done, done_works = current, works
             if i + 1 < len(rounds):
                 current = nxt if nxt is not None else stage(i + 1)
                 works = post(current)
+            if not ordered:
+                # With round i + 1 on the wire: what the hook does with round i (bounded staging loads
+                # the groups it completed) overlaps the next round's bytes.
+                landed(i, done)
             if self.do_checksums and ordered:
                 # Queued on the copy stream after round i + 1 was posted, whose group then waits only for its
                 # packing, and before round i + 2 packs into round i's half of the staging (next iteration).
