@@ -17,7 +17,9 @@ posted (that round's group waits only for its packing, not for them) and before 
 round after it packs into their half of the staging. The host waits for round k only
 once ROUNDS_AHEAD later rounds are queued (bounding what is queued on the device behind
 a peer that may have died) and for the rest at the end; progress and the hook follow
-those waits.
+those waits. On a host-waited transport (gloo) a round's progress and hook run once the
+next round is posted, so what the hook does (bounded staging loads what the round
+completed) overlaps the next round's bytes.
 
 In a hybrid session (common/dataplane/hybrid.py) a rank may also host the destination
 ranks on its GPU (`guests`): it receives their messages into their buffers (mapped
