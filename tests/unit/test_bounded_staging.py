@@ -188,3 +188,53 @@ def test_a_receive_window_keeps_every_sender_to_the_buffers_in_order(model, src_
         assert staging.overflow_bytes == 0 and staging.high_water <= pool, (d, staging.high_water, staging.overflow_bytes)
     _, unwindowed = _run(model, src_spec, dst_spec, pool, bucket=bucket)
     assert max(r[2].high_water for r in unwindowed) > max(r[2].high_water for r in results), "the window changed nothing"
+
+
+class _Recorded(Loopback):
+    """The loopback, recording each receive as it is posted."""
+
+    def __init__(self, rank: int, wire: dict, events: list) -> None:
+        super().__init__(rank, wire)
+        self.events = events
+
+    def recv(self, buf, peer, tag):
+        self.events.append(("recv", peer, tag))
+        return super().recv(buf, peer, tag)
+
+
+def test_a_rounds_groups_load_while_the_next_round_is_posted():
+    """On a host-waited transport (gloo), the hook in which bounded staging loads what round i
+    completed runs once round i + 1 is posted: the loads overlap the next round's bytes."""
+    src, dst = build(MODEL, "framework=megatron,tp=2"), build(MODEL, "framework=vllm,tp=2")
+    dst = dataclasses.replace(dst, receive_window=96 << 10)
+    plan = make_plan(src, dst, PlanOptions(bucket_bytes=16 << 10))
+    shapes = {n: s.shape for n, s in dst.tensors.items()}
+    wire, deadline = {}, time.monotonic() + 60
+    for r, bufs in enumerate(_sources(src)):
+        Engine(Loopback(r, wire), plan, "src", r, bufs, shapes, StagingPool(), deadline).run()
+    d = 0
+    descs = {b.name: b for b in dst.ranks[d]}
+    staging = BoundedStaging(descs, shapes, "cpu", 96 << 10)
+    events: list = []
+
+    def load(tensors):
+        events.append(("load", sorted(tensors)))
+
+    staging.begin(plan, d, load)
+
+    def hook(i: int) -> None:
+        events.append(("hook", i))
+        staging.round_done(i)
+
+    Engine(_Recorded(src.world + d, wire, events), plan, "dst", d, staging, shapes, StagingPool(), deadline, hook=hook).run()
+    staging.finish()
+    rounds = sorted({m.round for m in plan.recvs[d]})
+    assert len(rounds) > 3, "too few rounds to tell"
+    by_round = {i: {(m.src, m.tag) for m in plan.recvs[d] if m.round == r} for i, r in enumerate(rounds)}
+    at = {("recv", s, t): k for k, (kind, *rest) in enumerate(events) if kind == "recv" for s, t in [rest]}
+    hooks = {rest[0]: k for k, (kind, *rest) in enumerate(events) if kind == "hook"}
+    assert sorted(hooks) == list(range(len(rounds)))
+    for i in range(len(rounds) - 1):
+        posted = max(at[("recv", s, t)] for s, t in by_round[i + 1])
+        assert posted < hooks[i], f"round {i}'s hook ran before round {i + 1} was posted"
+    assert any(kind == "load" for kind, *_ in events[: hooks[len(rounds) - 2]]), "nothing loaded before the last round"
