@@ -764,10 +764,11 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
     m_opts, m_bucket = _window_bucket(options, bucket, dst)
     g, m = _messages(g, name_rank, m_opts, m_bucket)
     relay_msgs: dict[bytes, tuple[dict, dict]] = {}  # relay templates' messages planned for the pace, by key
+    unit_keys: dict[tuple[int, ...], bytes] = {}  # chain -> its template's key (b"": nothing to relay), from the pace
     if dst.receive_window:
         # With replicas, a bounded primary receives at the pace its relay chain forwards, so what it
         # holds until forwarded stays a few rounds' bytes (not the rank's weights)
-        pace = _relay_pace(T, units, subset, D, name_rank, m_opts, m_bucket, relay_msgs)
+        pace = _relay_pace(T, units, subset, D, name_rank, m_opts, m_bucket, relay_msgs, unit_keys)
         m["round"] = _windowed_rounds(g, m, name_rank, dst.receive_window, m_bucket, pace)
     m["relay"] = np.zeros(len(m["src"]), dtype=bool)
     peers = max(1, options.staging_limit // (2 * bucket))
@@ -788,15 +789,18 @@ def make_plan(src: Layout, dst: Layout, options: PlanOptions | None = None, tens
             for r in ranks[1:]:
                 primary_of.setdefault(r, ranks[0])
                 relayed[r] += [(b, ranks[0]) for b in copies.get(int(T.rank_class[r]), bufs)]
-            rg = _relay_segments(T, bufs, subset, D)
-            if not len(rg["tensor"]):
+            rg, key = None, unit_keys.get(ranks)  # the pace's (bounded), else the chain's segments are made here
+            if key is None:
+                rg = _relay_segments(T, bufs, subset, D)
+                key = _segments_key(rg) if len(rg["tensor"]) else b""
+            if not key:
                 continue
-            key = _segments_key(rg)
             hit = templates.get(key)
             if hit is not None:
                 rg, rm, base = hit
             else:
-                rg, rm = relay_msgs.pop(key, None) or _relay_messages(rg, name_rank, m_opts, m_bucket)
+                rg, rm = relay_msgs.pop(key, None) or _relay_messages(
+                    rg if rg is not None else _relay_segments(T, bufs, subset, D), name_rank, m_opts, m_bucket)
                 base = nseg
                 templates[key] = (rg, rm, base)
                 seg_parts.append(rg)
@@ -1191,16 +1195,18 @@ def _relay_messages(rg: dict[str, np.ndarray], name_rank: np.ndarray, options: P
 
 
 def _relay_pace(T, units: dict, subset, D: int, name_rank: np.ndarray, options: PlanOptions, bucket: int,
-                planned: dict[bytes, tuple[dict, dict]]) -> dict[int, int]:
+                planned: dict[bytes, tuple[dict, dict]], keys: dict[tuple[int, ...], bytes]) -> dict[int, int]:
     """Primary rank -> the bytes a round its relay chain forwards, on average (its relay messages'
     bytes over their rounds): what a bounded primary may receive a round without falling behind.
-    Each template's messages go into `planned` (by key), for the relays to take as they are."""
+    Each template's segments and messages go into `planned` (by key) and each chain's key into
+    `keys` (b"": nothing to relay), for the relays to take as they are."""
     out: dict[int, int] = {}
     for ranks, (bufs, _) in units.items():
         rg = _relay_segments(T, bufs, subset, D)
         if not len(rg["tensor"]):
+            keys[ranks] = b""
             continue
-        key = _segments_key(rg)
+        key = keys[ranks] = _segments_key(rg)
         if key not in planned:
             planned[key] = _relay_messages(rg, name_rank, options, bucket)
         rm = planned[key][1]
