@@ -7,8 +7,8 @@ DEMO_ARGS ?=
 VLLM ?= auto
 # The package's folders (pyproject.toml's package-dir): compiled to bytecode after an editable
 # install, as pip does for a regular one. Without it, with PYTHONDONTWRITEBYTECODE set, every
-# process compiles reshard from source as it imports it: in each vLLM worker that was about 9 MB of
-# C heap kept resident, counted in the backend's extra memory.
+# process compiles reshard from source as it imports it (slower, and about 2 MB more heap kept
+# resident in each vLLM worker).
 PKG_DIRS := cli common tools trainer_svc inference_svc proto integrations
 
 .PHONY: demo test test-all test-slow venv proto clean gpu-check gpu-wheels
