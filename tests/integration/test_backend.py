@@ -7,6 +7,7 @@ from tests.integration.cluster import Cluster
 pytestmark = pytest.mark.integration  # starts real services in real processes
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_cpu_workers_report_device_and_memory_and_run_gloo():
     c = Cluster("tiny", inference_workers=2, trainer_workers=1)
     try:

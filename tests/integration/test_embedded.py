@@ -123,6 +123,7 @@ def test_embedded_workers_publish_and_commit(snapshot):
         stop_processes(procs)
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_a_layout_mismatch_reaches_a_rank_waiting_for_that_version():
     """An update the inference controller refuses (the trainer's layout disagrees with the engine's)
     is told to every rank with its version and the reason naming the first mismatch: a rank

@@ -268,6 +268,7 @@ def test_a_trainer_worker_that_reattaches_after_its_update_failed_gets_its_relea
         svc.close()
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_connected_means_accepted_by_a_controller_for_this_rank():
     """Item 5: nothing listening is not 'connected'."""
     from reshard.common.layout.core import Box, LocalBuffer, Piece, TensorSpec
@@ -281,6 +282,7 @@ def test_connected_means_accepted_by_a_controller_for_this_rank():
         w.stop()
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_a_second_worker_for_a_live_rank_is_refused_and_says_so():
     """Items 5 and 18: a second worker for a rank whose worker is alive is refused, even from the same
     process (its pid is the holder's: a pid alone proves nothing), and it knows it was refused

@@ -232,6 +232,7 @@ def _listening(port: int) -> set[str]:
     return out
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_the_session_store_admits_only_holders_of_the_session_secret(secure):
     """The trainer's rendezvous store listens on the controller's address only, and a session's
     keys live under a secret that travels only on the authenticated control plane: a process that

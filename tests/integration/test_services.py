@@ -103,6 +103,7 @@ def test_partial_update_keeps_untouched_tensors(cluster):
     check_all(cluster, out["committed"]["step"])
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_bad_requests_get_clear_status_codes(cluster):
     r = cli("dump", "--inference", cluster.inf, "--tensor", "model.layers.0.self_attn.nope", "--out", "/tmp/x.pt")
     assert r.returncode != 0 and "NOT_FOUND" in r.stderr and "unknown tensor" in r.stderr

@@ -456,6 +456,7 @@ def test_flat_layouts_engine_loopback_and_checksums(sc: Scenario, opts: PlanOpti
     assert_dst_equal(dbufs, sc.expected_dst())
 
 
+@pytest.mark.slow  # 3-5 s: the quick suite's margin under 5 minutes on slower machines
 def test_flat_generator_covers_the_interesting_cases():
     """A guard on the tests: the scenarios do produce empty ranges, ranges crossing tensor
     boundaries, ranges cutting rows, declared padding and direct messages."""
