@@ -541,7 +541,9 @@ class InferenceController(rgrpc.InferenceServiceServicer):
                                "an update carries them (a full update does)")
             log.error("%s", self.last_error)
         for w in self.hub.alive():
-            w.version, w.allowed = u.version, True  # a commit ends every rank's hold
+            # A commit ends every rank's hold: the worker cleared it before its reply. Its next heartbeat
+            # would say so up to a period later; a status read in between must not show it HELD.
+            w.version, w.allowed, w.held = u.version, True, False
         self._reconcile()
         nbytes = u.bytes_total  # the payload, each destination byte once (a relaying rank also sends: not counted again)
         during = sum(w.requests_served for w in self.hub.alive()) - u.requests_at_start

@@ -115,6 +115,7 @@ class WorkerBase:
 
     role = "?"
     side = "?"  # src | dst
+    heartbeat_s = 0.5  # between heartbeats (the controller flags a worker silent for its worker timeout)
 
     def __init__(self, controller: str, rank: int, world: int, tensors: dict[str, TensorSpec],
                  buffers: dict[str, tuple[LocalBuffer, torch.Tensor]], *, model: str = "",
@@ -323,7 +324,7 @@ class WorkerBase:
     async def _heartbeats(self) -> None:
         while True:
             self.emit(self._heartbeat())
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(self.heartbeat_s)
 
     def _heartbeat(self) -> wpb.WorkerMessage:
         hb = wpb.Heartbeat(requests_served=self.requests_served, requests_during_update=self.requests_during_update,

@@ -40,21 +40,28 @@ def _controllers(inf, tr, inf_w, tr_w, stop: list, src_world: int, dst_world: in
 
 
 @contextlib.contextmanager
-def deployment(dst, *, src_world: int = 2, run: str = "traced"):
+def deployment(dst, *, src_world: int = 2, run: str = "traced", heartbeat_s: float | None = None,
+               addresses: dict | None = None):
     """Both controllers in this process and one inference worker per rank of `dst` (buffers of
     zeros in each buffer's dtype); yields the trainer's worker listener and the list of workers to
-    stop at the end (add the trainer's)."""
+    stop at the end (add the trainer's). `heartbeat_s` sets the inference workers' heartbeat period;
+    `addresses`, when given, receives the controllers' gRPC addresses ("inference", "trainer")."""
     from reshard.common.control.security import set_client_roles
 
     inf, tr, inf_w, tr_w = (f"127.0.0.1:{free_port()}" for _ in range(4))
     stop: list = []
     roles = set_client_roles(None)  # a controller sets this process's client roles: given back at the end
+    if addresses is not None:
+        addresses.update(inference=inf, trainer=tr)
     thread = _controllers(inf, tr, inf_w, tr_w, stop, src_world, dst.world, run)
     workers = []
     try:
         for r in range(dst.world):
             bufs = {d.name: (d, torch.zeros(d.shape, dtype=getattr(torch, d.dtype))) for d in dst.ranks[r]}
-            workers.append(InferenceWorker(inf_w, r, dst.world, dst.tensors, bufs).start())
+            w = InferenceWorker(inf_w, r, dst.world, dst.tensors, bufs)
+            if heartbeat_s is not None:
+                w.heartbeat_s = heartbeat_s
+            workers.append(w.start())
         yield tr_w, workers
     finally:
         for w in workers:
