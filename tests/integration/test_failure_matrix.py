@@ -33,9 +33,10 @@ CHECKED = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k
 VICTIM_RANK = 1  # the worker struck in worker cells
 
 def cell(role: str, phase: str, action: str):
-    """`make test` keeps the cells where a process is killed at COMMIT (every role: the phase whose
-    failures leave the most behind); the other 36 run with the slow tests (the quick suite's time)."""
-    quick = phase == "COMMIT" and action == "kill"
+    """`make test` keeps two cells where a process is killed at COMMIT (the phase whose failures leave
+    the most behind): an inference worker, and the trainer controller. The other 38 run with the slow
+    tests (the quick suite's time on 2 cores)."""
+    quick = phase == "COMMIT" and action == "kill" and role in ("inference-worker", "trainer")
     return pytest.param(role, phase, action, id=f"{role}-{phase}-{action}", marks=[] if quick else [pytest.mark.slow])
 
 

@@ -109,6 +109,7 @@ def _peak_rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
+@pytest.mark.slow  # about 5 s: the quick suite keeps under 5 minutes on 2 cores (the other tests here keep the fixture quick)
 def test_tls_and_tokens_end_to_end(secure, tmp_path):
     """Both services with TLS and tokens: an update commits (peer and worker tokens over TLS); each
     RPC asks for its role; no token, an unknown one, a plaintext caller get nothing."""

@@ -148,6 +148,7 @@ def test_a_worker_that_stops_reading_is_dropped_and_its_update_aborted():
     assert reattached and aborted
 
 
+@pytest.mark.slow  # 2-3 s: the quick suite keeps under 5 minutes on 2 cores
 def test_a_controller_that_stops_reading_leaves_its_worker_a_bounded_queue():
     """The controller's loop is held (frozen) while its worker keeps emitting: heartbeats and byte
     counts are merged while they wait; replies and other answers past the worker's limit make it

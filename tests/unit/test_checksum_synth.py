@@ -208,6 +208,7 @@ def test_torch_path_in_tiles_equals_the_host_path(dims, seed, dtype, chunk, lead
         assert box_checksum(box, off, shape, dtype=cast) == got == want
 
 
+@pytest.mark.slow  # 2-3 s: the quick suite keeps under 5 minutes on 2 cores
 def test_big_boxes_in_many_tiles_and_past_the_weight_tables(monkeypatch):
     """Boxes of many tiles (rows in tiles, one long row in blocks, a 3-D box whose leading dims do
     not merge), also with weight tables so small that every weight is hashed per tile and with

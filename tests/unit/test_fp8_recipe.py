@@ -45,6 +45,7 @@ def test_fp8_block_recipe_matches_a_block_by_block_quantizer(dtype):
     assert not torch.equal(bad.view(torch.uint8), q[:128, :128].view(torch.uint8))
 
 
+@pytest.mark.slow  # importing vLLM takes 3-4 s of the quick suite; the recipe is checked there against a block-by-block quantizer
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_block_recipe_matches_vllms_own_quantizer(dtype):
     pytest.importorskip("vllm", reason="the vllm extra is not installed")

@@ -114,6 +114,7 @@ def test_spec_errors():
         build("tiny", "framework=megatron,tp=4")
 
 
+@pytest.mark.slow  # 2-3 s (a CLI process): the quick suite keeps under 5 minutes on 2 cores
 def test_plan_command_json():
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "plan", "--model", "tiny-moe", "--src",
                         "framework=megatron,tp=2,pp=2", "--dst", "framework=vllm,tp=2,dp=2", "--json"],

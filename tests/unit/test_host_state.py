@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 PROBE = r'''
 import asyncio, ctypes, gc, json, resource, signal, sys
 
@@ -86,6 +88,7 @@ def test_planning_leaves_host_process_state_alone():
     assert out["after"] == out["before"]
 
 
+@pytest.mark.slow  # 2 s (a CLI process): the quick suite keeps under 5 minutes on 2 cores
 def test_plan_command_tunes_its_own_process():
     """The probe above sees tuning when there is some: `reshard plan`'s opt-in is detected."""
     out = probe("plan-cli")
