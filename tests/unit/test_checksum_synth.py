@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from reshard.common.dataplane import checksum
 from reshard.common.dataplane.checksum import P, box_checksum, box_checksum_tensor, box_checksum_torch, combine, read_sums
 from reshard.common.dataplane.mixing import mix31
 from reshard.tools.synth import advance_box, init_box, tensor_value
@@ -61,11 +62,14 @@ def test_checksum_matches_its_definition_on_both_paths(dims, seed, dtype, data):
     assert box_checksum_torch(box, off, shape) == want
 
 
+@pytest.mark.parametrize("host_product", ["torch", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float16])
-def test_host_and_torch_paths_agree_on_views(dtype):
+def test_host_and_torch_paths_agree_on_views(dtype, host_product, monkeypatch):
     """The views the engine checksums: boxes at odd offsets, strided and transposed views, empty
-    boxes, and boxes read from a uint8 staging buffer at odd byte offsets; the numpy path, the torch
-    path and the torch path left on the device (read once) give the same number."""
+    boxes, and boxes read from a uint8 staging buffer at odd byte offsets; the host path (with
+    torch's int32 product of aligned words, or numpy's for every word), the torch path and the
+    torch path left on the device (read once) give the same number."""
+    monkeypatch.setattr(checksum, "_MV_WRAPS", host_product == "torch")
     full = (torch.randn(13, 11) * 50).to(dtype)
     shape = tuple(full.shape)
     lead = 3 if full.element_size() == 1 else full.element_size()  # staged off 32-bit alignment where the dtype allows
@@ -80,6 +84,12 @@ def test_host_and_torch_paths_agree_on_views(dtype):
         assert int(box_checksum_tensor(box, off, shape)) == want
     tile = full[4:10, 2:9].contiguous()  # the same box, contiguous or as a view: the same sum
     assert box_checksum(tile, (4, 2), shape) == box_checksum(full[4:10, 2:9], (4, 2), shape)
+
+
+def test_torchs_int32_product_wraps_here():
+    """The host path's fast product is in use on this torch: its int32 matrix-vector product wraps
+    mod 2**32 like numpy's unsigned one (each process checks it once before using it)."""
+    assert checksum._torch_mv_wraps()
 
 
 @given(rows=st.integers(1, 40), cols=st.integers(1, 40), cut=st.integers(0, 39), dtype=st.sampled_from(DTYPES))
