@@ -20,8 +20,8 @@ What vLLM's CPU build (0.32) runs, and what it does not:
   vLLM's start/update/finish routes without /pause). Checked by the loader.
 - Dense data parallelism (2 replicas, one process each, by an external launcher): vLLM generates
   there; tokens are compared with Hugging Face's, staged on the device and staged bounded (relays
-  through the pools). The backend numbers those ranks wrongly today
-  (see the test), and the test says so until integrations/vllm/engine.py is fixed.
+  through the pools). The backend numbers their ranks from vLLM's own parallel config (checked
+  for an external launcher and for `vllm serve`'s dense and MoE replicas).
 - A second claim of a live rank: refused with the holder's pid (two single-rank vLLMs)."""
 
 import json
