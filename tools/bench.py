@@ -541,8 +541,8 @@ def _calibration_line(cal: dict, sep: str = "; ") -> str:
              f"{cal['checksum_op_s'] * 1e6:.0f} us each"]
     ct = cal.get("checksum_throughput")
     if ct:
-        parts.append(f"checksum throughput on {ct['bytes'] / 2**20:.0f} MiB, one core: host path (numpy) "
-                     f"{ct['numpy_gbps']:.2f} GB/s, device path (torch ops, on CPU) {ct['torch_gbps']:.2f} GB/s, "
+        parts.append(f"checksum throughput on {ct['bytes'] / 2**20:.0f} MiB, one core: host path "
+                     f"{ct['host_gbps']:.2f} GB/s, device path (torch ops, on CPU) {ct['torch_gbps']:.2f} GB/s, "
                      f"memcpy of the same bytes {ct['memcpy_gbps']:.2f} GB/s")
     parts += [f"{k} ranks: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
               f"{v['round_s'] * 1e6:.0f} us, broadcast window {v['collective_s'] * 1e6:.0f} us, start "

@@ -515,8 +515,8 @@ def checksum_gbps(nbytes: int = 32 << 20, iters: int = 5) -> float:
 
 def checksum_throughput(nbytes: int = 32 << 20, iters: int = 5) -> dict:
     """Checksum throughput of this process beside a plain copy (memcpy) of the same bytes, GB/s, the
-    median pass each, over one contiguous bf16 matrix: the host path (`box_checksum`, numpy: what
-    ranks on CPU run) and the device path (`box_checksum_tensor`, torch ops, the ones a GPU runs,
+    median pass each, over one contiguous bf16 matrix: the host path (`box_checksum`, what ranks on
+    CPU run: torch's int32 product of aligned words, else numpy's) and the device path (`box_checksum_tensor`, torch ops, the ones a GPU runs,
     here on CPU tensors)."""
     from reshard.common.dataplane.checksum import box_checksum, box_checksum_tensor
 
@@ -534,7 +534,7 @@ def checksum_throughput(nbytes: int = 32 << 20, iters: int = 5) -> dict:
             times.append(time.perf_counter() - t0)
         return n / statistics.median(times) / 1e9
 
-    return {"bytes": n, "memcpy_gbps": rate(lambda: out.copy_(x)), "numpy_gbps": rate(lambda: box_checksum(x, (0, 0), shape)),
+    return {"bytes": n, "memcpy_gbps": rate(lambda: out.copy_(x)), "host_gbps": rate(lambda: box_checksum(x, (0, 0), shape)),
             "torch_gbps": rate(lambda: box_checksum_tensor(x, (0, 0), shape))}
 
 
