@@ -541,7 +541,7 @@ def _calibration_line(cal: dict, sep: str = "; ") -> str:
              f"{cal['checksum_op_s'] * 1e6:.0f} us each"]
     ct = cal.get("checksum_throughput")
     if ct:
-        parts.append(f"checksum throughput on {ct['bytes'] / 2**20:.0f} MiB, one core: host path "
+        parts.append(f"checksum throughput on {ct['bytes'] / 2**20:.0f} MiB, this process's torch threads: host path "
                      f"{ct['host_gbps']:.2f} GB/s, device path (torch ops, on CPU) {ct['torch_gbps']:.2f} GB/s, "
                      f"memcpy of the same bytes {ct['memcpy_gbps']:.2f} GB/s")
     parts += [f"{k} ranks: {v['aggregate_streams']} streams {v['aggregate_gbps']:.2f} GB/s, round "
